@@ -1,0 +1,1 @@
+"""comera_dist.compression"""

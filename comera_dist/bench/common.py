@@ -1,0 +1,89 @@
+"""Shared benchmark plumbing: timing, the machine description, the table and the JSON result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def base_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--json PATH``, ``--steps N``, ``--batch-size B``."""
+    p = argparse.ArgumentParser(prog=f"python -m comera_dist.bench {name}", description=description)
+    p.add_argument("--json", type=Path, help="write the result (metrics, rows, machine) to this JSON file")
+    p.add_argument("--steps", type=int, default=None, help="timed repetitions per contender")
+    p.add_argument("--batch-size", type=int, default=None, help="override the benchmark's batch size")
+    return p
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 5) -> dict[str, float]:
+    """Median/min wall time of ``fn()`` in seconds (CUDA-synchronized when on GPU)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """A plain aligned table of ``rows`` (all rows share the first row's keys)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    fmt = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in fmt)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in fmt:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def write_result(path: Path | None, name: str, metrics: dict[str, Any], rows: list[dict[str, Any]],
+                 config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Print the table and metrics; write ``{benchmark, machine, config, metrics, rows}`` to ``path``."""
+    result = {"benchmark": name, "machine": machine(), "config": config or {}, "metrics": metrics, "rows": rows}
+    print_table(rows)
+    print(json.dumps({"metrics": metrics}, indent=2))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(path)
+    return result
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

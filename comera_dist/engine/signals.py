@@ -1,0 +1,46 @@
+"""Graceful stop on SIGUSR1/SIGTERM: a flag the training loop checks at step boundaries.
+
+Slurm's ``--signal=B:USR1@N`` (forwarded by ``slurm/pretrain.sh``) and launchers tearing
+a job down send these signals. The handler only records the request; the loop then
+agrees on it across ranks (``agree``), checkpoints and exits 0 so a requeued job resumes.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopRequest:
+    """Records the first stop signal received; restores the previous handlers on ``close``."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signal_name: str | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop signal has arrived in this process."""
+        return self.signal_name is not None
+
+    def agree(self) -> bool:
+        """True on every rank if any rank received a stop signal (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0])  # (1,)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def close(self) -> None:
+        """Put back the handlers that were installed before."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}

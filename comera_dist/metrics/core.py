@@ -1,0 +1,141 @@
+"""Metrics: the one metrics interface of a run, fanned out to progress bar, Prometheus and report.
+
+Only global rank 0 does anything. The engine all-reduces every value it logs
+(loss, tokens/s, ...) so rank 0 already holds the job-wide numbers; exporting
+from one process per job keeps one scrape target, one series per metric and no
+duplicate samples. Other ranks get a ``Metrics`` whose methods return at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from comera_dist.metrics.config import MetricsConfig
+from comera_dist.metrics.exporter import PrometheusExporter
+from comera_dist.metrics.history import History
+from comera_dist.metrics.progress import ProgressBar
+from comera_dist.metrics.report import write_report
+
+log = logging.getLogger(__name__)
+
+STANDARD_KEYS: tuple[str, ...] = (
+    "train_loss", "val_loss", "val_accuracy", "tokens_per_second", "step_time_seconds",
+    "learning_rate", "stage", "lambda", "compression_ratio", "compression_ratio_tensorized",
+    "model_params", "peak_memory_bytes", "nonfinite_steps_total", "epoch", "target_compression_ratio",
+)
+"""Keys with a meaning (and a Prometheus metric); any other key is kept for the report only."""
+
+
+class Metrics:
+    """Fan-out of ``log``/``log_ranks``/``checkpoint_saved`` to the enabled sinks (rank 0 only)."""
+
+    def __init__(self, cfg: MetricsConfig, *, rank: int, local_rank: int, world_size: int,
+                 total_steps: int, output_dir: str | Path, run_name: str) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"Metrics: rank must be in [0, world_size={world_size}), got rank={rank}")
+        if local_rank < 0:
+            raise ValueError(f"Metrics: local_rank must be >= 0, got {local_rank}")
+        if total_steps < 0:
+            raise ValueError(f"Metrics: total_steps must be >= 0, got {total_steps}")
+        if not run_name:
+            raise ValueError(f"Metrics: run_name must be non-empty, got {run_name!r}")
+        self.cfg = cfg
+        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        self.total_steps = total_steps
+        self.output_dir = Path(output_dir)
+        self.run_name = run_name
+        self.history = History()
+        self.exporter: PrometheusExporter | None = None
+        self.progress: ProgressBar | None = None
+        self._closed = False
+        if not self.active:
+            return
+        if cfg.prometheus:
+            sd_file = Path(cfg.sd_file) if cfg.sd_file else self.output_dir / "prometheus_targets.json"
+            self.exporter = PrometheusExporter(
+                host=cfg.prometheus_host, port=cfg.prometheus_port, sd_file=sd_file, run_name=run_name,
+                world_size=world_size, total_steps=total_steps, rank_label_limit=cfg.rank_label_limit)
+            log.info("metrics: Prometheus endpoint http://%s/metrics (targets in %s)",
+                     self.exporter.endpoint, sd_file)
+        if cfg.progress:
+            self.progress = ProgressBar(total_steps=total_steps, log_every=cfg.log_every)
+
+    @property
+    def active(self) -> bool:
+        """True on the one process that exports and reports (global rank 0)."""
+        return self.rank == 0
+
+    @property
+    def endpoint(self) -> str | None:
+        """``host:port`` of the Prometheus endpoint, or None where none is served."""
+        return self.exporter.endpoint if self.exporter else None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record job-wide scalar values (already all-reduced by the caller) at ``step``."""
+        _check_step(step)
+        values = {}
+        for key, value in metrics.items():
+            if not isinstance(value, numbers.Real):  # bools count as 0/1 (e.g. stage)
+                raise TypeError(f"Metrics.log: value of {key!r} must be a real number, got {value!r}")
+            values[str(key)] = float(value)
+        if not self.active or self._closed:
+            return
+        self.history.add_scalars(values, step)
+        if self.exporter:
+            self.exporter.update(values, step)
+        if self.progress:
+            self.progress.update(values, step)
+
+    def log_ranks(self, ranks: Mapping[str, Sequence[int]], step: int) -> None:
+        """Record the active TT ranks: ``{layer name: [rank of each interior bond]}``."""
+        _check_step(step)
+        snapshot = {}
+        for layer, bonds in ranks.items():
+            bonds = list(bonds)
+            if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0 for r in bonds):
+                raise ValueError(f"Metrics.log_ranks: ranks of layer {layer!r} must be ints >= 0, got {bonds}")
+            snapshot[str(layer)] = [int(r) for r in bonds]
+        if not self.active or self._closed:
+            return
+        self.history.ranks.append((step, snapshot))
+        if self.exporter:
+            self.exporter.update_ranks(snapshot)
+
+    def checkpoint_saved(self, ok: bool, step: int) -> None:
+        """Record a checkpoint attempt (``ok``: published completely) at ``step``."""
+        _check_step(step)
+        if not self.active or self._closed:
+            return
+        now = time.time()
+        self.history.checkpoints.append((step, bool(ok), now))
+        if self.exporter:
+            self.exporter.checkpoint(bool(ok), now)
+
+    def close(self) -> None:
+        """Stop the progress bar and exporter; write the report (rank 0). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.progress:
+            self.progress.close()
+        if self.exporter:
+            self.exporter.close()
+        if self.active and self.cfg.report:
+            path = write_report(self.history, self.output_dir, run_name=self.run_name,
+                                world_size=self.world_size, total_steps=self.total_steps)
+            log.info("metrics: report written to %s", path)
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"Metrics: step must be an int >= 0, got {step!r}")

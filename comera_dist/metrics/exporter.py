@@ -1,0 +1,173 @@
+"""PrometheusExporter: the run's metrics on an HTTP endpoint with a dedicated registry.
+
+Naming follows Prometheus conventions: prefix ``comera_``, base units
+(``_seconds``, ``_bytes``), counters end in ``_total``, no step label. Gauges are
+served by a custom collector so a value appears only once it was logged (a
+never-saved checkpoint has no timestamp rather than a misleading 0). The job
+advertises the endpoint in a ``file_sd_configs`` JSON file that
+``monitoring/prometheus.yml`` watches.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# logged key -> (metric name, help). Values are exported as they arrive (job-wide on rank 0).
+GAUGES: dict[str, tuple[str, str]] = {
+    "train_loss": ("comera_train_loss", "Training loss (task loss, cross-entropy) of the last step."),
+    "val_loss": ("comera_val_loss", "Validation loss of the last evaluation."),
+    "val_accuracy": ("comera_val_accuracy_ratio", "Validation accuracy (0-1) of the last evaluation."),
+    "tokens_per_second": ("comera_tokens_per_second", "Training throughput over all ranks, tokens/s."),
+    "learning_rate": ("comera_learning_rate", "Learning rate of the TT cores parameter group."),
+    "stage": ("comera_stage", "CoMERA stage: 0 early (weighted sum), 1 late (reference point)."),
+    "lambda": ("comera_lambda", "Late-stage switch lambda: 1 when the size objective is further from target."),
+    "compression_ratio": ("comera_compression_ratio",
+                          "Dense parameter count / current parameter count, whole model."),
+    "compression_ratio_tensorized": ("comera_compression_ratio_tensorized",
+                                     "Dense / current parameter count of the tensorized layers only."),
+    "target_compression_ratio": ("comera_compression_ratio_target",
+                                 "Whole-model compression ratio the run aims for."),
+    "model_params": ("comera_model_parameters", "Current parameter count of the model (surviving ranks)."),
+    "peak_memory_bytes": ("comera_peak_memory_bytes", "Peak accelerator (or host RSS) memory, bytes."),
+    "epoch": ("comera_epoch", "Current epoch over the training data."),
+}
+STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 150.0, 300.0, 600.0)
+
+
+class _GaugeCollector(Collector):
+    """Serves the latest value of every logged gauge, and the TT rank gauge with layer/bond labels."""
+
+    def __init__(self, rank_label_limit: int) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, tuple[str, float]] = {}  # metric name -> (help, value)
+        self._ranks: dict[tuple[str, str], int] = {}
+        self._ranks_dropped = 0
+        self._limit = rank_label_limit
+
+    def set(self, name: str, help_text: str, value: float) -> None:
+        with self._lock:
+            self._values[name] = (help_text, value)
+
+    def set_ranks(self, ranks: Mapping[str, list[int]]) -> None:
+        pairs = sorted((layer, str(bond)) for layer, bonds in ranks.items() for bond in range(len(bonds)))
+        kept = pairs[: self._limit]
+        if len(pairs) > self._limit and self._ranks_dropped == 0:
+            log.warning("metrics: %d (layer, bond) rank series exceed rank_label_limit=%d; exporting %d",
+                        len(pairs), self._limit, self._limit)
+        with self._lock:
+            self._ranks = {(layer, bond): ranks[layer][int(bond)] for layer, bond in kept}
+            self._ranks_dropped = len(pairs) - len(kept)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            values, ranks, dropped = dict(self._values), dict(self._ranks), self._ranks_dropped
+        for name, (help_text, value) in values.items():
+            yield GaugeMetricFamily(name, help_text, value=value)
+        if ranks:
+            family = GaugeMetricFamily("comera_tt_rank", "Active TT rank of one interior bond of a layer.",
+                                       labels=["layer", "bond"])
+            for (layer, bond), rank in ranks.items():
+                family.add_metric([layer, bond], rank)
+            yield family
+            yield GaugeMetricFamily("comera_tt_rank_series_dropped",
+                                    "Bonds not exported because of rank_label_limit.", value=dropped)
+
+
+class PrometheusExporter:
+    """A dedicated registry, its HTTP server, and the service-discovery file that points at it."""
+
+    def __init__(self, *, host: str, port: int, sd_file: Path, run_name: str, world_size: int,
+                 total_steps: int, rank_label_limit: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._gauges = _GaugeCollector(rank_label_limit)
+        self.registry.register(self._gauges)
+        self._step_time = Histogram("comera_step_time_seconds", "Wall time of one optimizer step.",
+                                    buckets=STEP_TIME_BUCKETS, registry=self.registry)
+        self._nonfinite = Counter("comera_nonfinite_steps", "Steps skipped for a non-finite loss or gradient.",
+                                  registry=self.registry)
+        self._nonfinite_seen = 0.0
+        self._checkpoints = Counter("comera_checkpoint_saves", "Checkpoint save attempts by outcome.",
+                                    ["outcome"], registry=self.registry)
+        for outcome in ("success", "failure"):
+            self._checkpoints.labels(outcome=outcome)  # both series exist from the start, at 0
+        Info("comera_build", "Versions of the running program.", registry=self.registry).info(build_info())
+        self._gauges.set("comera_world_size", "Processes in the job.", world_size)
+        self._gauges.set("comera_train_total_steps", "Steps the run is configured for.", total_steps)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"metrics: cannot serve Prometheus on {host}:{port} "
+                          f"(metrics.prometheus_host/prometheus_port): {e}") from e
+        self.host, self.port = host, self._server.server_port
+        self.sd_file = Path(sd_file)
+        self._labels = {"run": run_name}
+        if os.environ.get("SLURM_JOB_ID"):
+            self._labels["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+        self._write_sd([{"targets": [self.endpoint], "labels": self._labels}])
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def update(self, values: Mapping[str, float], step: int) -> None:
+        """Export the values of one ``Metrics.log`` call (unknown keys are not exported)."""
+        for key, value in values.items():
+            if key in GAUGES:
+                self._gauges.set(*GAUGES[key], value)
+            elif key == "step_time_seconds" and math.isfinite(value) and value >= 0:
+                self._step_time.observe(value)
+            elif key == "nonfinite_steps_total" and value > self._nonfinite_seen:
+                # the trainer logs the running total; a Counter only moves forward by increments
+                self._nonfinite.inc(value - self._nonfinite_seen)
+                self._nonfinite_seen = value
+        self._gauges.set("comera_train_step", "Last optimizer step logged.", step)
+        self._gauges.set("comera_last_step_timestamp_seconds", "Unix time of the last logged step.", time.time())
+
+    def update_ranks(self, ranks: Mapping[str, list[int]]) -> None:
+        self._gauges.set_ranks(ranks)
+
+    def checkpoint(self, ok: bool, now: float) -> None:
+        self._checkpoints.labels(outcome="success" if ok else "failure").inc()
+        if ok:
+            self._gauges.set("comera_checkpoint_last_success_timestamp_seconds",
+                             "Unix time of the last complete checkpoint.", now)
+
+    def close(self) -> None:
+        """Stop serving and withdraw the target from the discovery file."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._write_sd([])
+
+    def _write_sd(self, groups: list[dict]) -> None:
+        # atomic replace: Prometheus re-reads the file on change and must never see half of it
+        self.sd_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.sd_file.with_name(f".{self.sd_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(groups, indent=1) + "\n")
+        os.replace(tmp, self.sd_file)
+
+
+def build_info() -> dict[str, str]:
+    """Versions for ``comera_build_info``; deepspeed's via importlib.metadata (only engine/ imports it)."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+    return {"version": version("comera-dist"), "torch": version("torch"), "deepspeed": version("deepspeed"),
+            "python": platform.python_version()}

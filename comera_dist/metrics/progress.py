@@ -1,0 +1,47 @@
+"""ProgressBar: the rank-0 tqdm bar with loss, tokens/s, compression ratio and stage."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from tqdm.auto import tqdm
+
+# logged key -> short postfix label, in display order
+POSTFIX = {"train_loss": "loss", "val_loss": "val", "tokens_per_second": "tok/s",
+           "compression_ratio": "cr", "stage": "stage"}
+
+
+class ProgressBar:
+    """A step bar whose postfix shows the latest values, refreshed every ``log_every`` steps."""
+
+    def __init__(self, *, total_steps: int, log_every: int) -> None:
+        # in a batch log (Slurm) a bar redrawn 10x per second floods the file: redraw rarely
+        interactive = sys.stderr.isatty()
+        self._bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True,
+                         mininterval=0.1 if interactive else 10.0)
+        self._log_every = log_every
+        self._latest: dict[str, float] = {}
+        self._last_postfix_step: int | None = None
+
+    def update(self, values: Mapping[str, float], step: int) -> None:
+        self._latest.update({k: v for k, v in values.items() if k in POSTFIX})
+        done = step + 1  # steps are 0-based; a resumed run starts the bar where it left off
+        if done > self._bar.n:
+            self._bar.update(done - self._bar.n)
+        if self._last_postfix_step is None or step - self._last_postfix_step >= self._log_every:
+            self._last_postfix_step = step
+            self._bar.set_postfix(self.postfix(), refresh=True)
+
+    def postfix(self) -> dict[str, str]:
+        out = {}
+        for key, label in POSTFIX.items():
+            if key in self._latest:
+                value = self._latest[key]
+                out[label] = (f"{value:.0f}" if key == "stage" else f"{value:.3g}" if key != "tokens_per_second"
+                              else f"{value:,.0f}")
+        return out
+
+    def close(self) -> None:
+        self._bar.set_postfix(self.postfix(), refresh=False)
+        self._bar.close()

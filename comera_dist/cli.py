@@ -1,0 +1,164 @@
+"""The command line: ``comera pretrain | evaluate | export`` and ``comera-pretrain``.
+
+Heavy imports (torch, deepspeed, datasets) happen inside the commands so ``--help`` is instant.
+Bad input (a missing file, an invalid config, an empty corpus, a tokenizer/model mismatch,
+a sequence longer than the model's positions, an unreadable cache) prints ONE line on stderr
+and exits with status 2; the checks run before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+EXIT_BAD_INPUT = 2
+
+PRETRAIN_HELP = "Pretrain a CoMERA (tensor-train, rank-adaptive) model with DeepSpeed."
+EVALUATE_HELP = "Masked-LM loss and accuracy of a checkpoint on any local corpus."
+EXPORT_HELP = "Export a checkpoint: densified HF model, compact TT form, or one consolidated file."
+
+
+def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="YAML",
+                   help="run config: model, comera, data, train, deepspeed and metrics sections "
+                        "(see configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value by dotted key, the value parsed as YAML "
+                        "(e.g. --set train.steps=20 --set deepspeed.zero_stage=3); repeatable")
+    p.add_argument("--resume", default=None, metavar="auto|none|PATH",
+                   help="auto: continue from the latest complete checkpoint in train.output_dir if any; "
+                        "none: start fresh; PATH: that checkpoint. Default: the config's train.resume")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print parameter counts, compression, FLOPs per token and the resolved DeepSpeed "
+                        "config, then exit without training or writing anything")
+    p.add_argument("--json", action="store_true",
+                   help="with --dry-run: print the summary as one JSON object (machine-readable)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="with --dry-run: the number of processes to solve the batch arithmetic for "
+                        "(default: $WORLD_SIZE or 1)")
+    # The deepspeed launcher appends --local_rank=N to the script's arguments; the rank is read
+    # from the environment instead, so the value is accepted and ignored.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher; ignored (LOCAL_RANK from the environment is used)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``comera`` parser with its three subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="comera", description="comera-dist: distributed CoMERA pretraining on DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{pretrain,evaluate,export}")
+
+    _add_pretrain_args(sub.add_parser("pretrain", help=PRETRAIN_HELP, description=PRETRAIN_HELP))
+
+    ev = sub.add_parser("evaluate", help=EVALUATE_HELP, description=EVALUATE_HELP)
+    ev.add_argument("--checkpoint", required=True, metavar="DIR",
+                    help="a run directory (its latest complete checkpoint is used) or one checkpoint directory")
+    ev.add_argument("--data", required=True, nargs="+", metavar="PATH",
+                    help="files or directories of .py/.txt/.json/.jsonl/.parquet text to evaluate on")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per batch (default 8)")
+    ev.add_argument("--max-batches", type=int, default=None, metavar="N",
+                    help="stop after N batches (default: the whole corpus)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the MLM masking (default 0)")
+    ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    ex = sub.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    ex.add_argument("--checkpoint", required=True, metavar="DIR",
+                    help="a run directory (its latest complete checkpoint is used) or one checkpoint directory")
+    ex.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
+    ex.add_argument("--format", default="dense-hf", choices=["dense-hf", "tt", "consolidated"],
+                    help="dense-hf: densified HuggingFace transformers model (save_pretrained); "
+                         "tt: the compact TT form (cores + shapes); consolidated: one fp32 state-dict file "
+                         "merged from the ZeRO shards (default dense-hf)")
+    return parser
+
+
+def _world_size(arg: int | None) -> int:
+    if arg is not None:
+        if arg < 1:
+            raise ValueError(f"--world-size must be >= 1, got {arg}")
+        return arg
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    """``comera pretrain``: validate the config, then dry-run or train."""
+    from comera_dist.config import load_run_config
+
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"train.resume={args.resume}")
+    cfg = load_run_config(args.config, overrides)
+    if args.dry_run:
+        from comera_dist.engine.summary import format_summary, run_summary
+
+        summary = run_summary(cfg, world_size=_world_size(args.world_size))
+        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+        return 0
+    from comera_dist.engine.trainer import train
+
+    return train(cfg, resume=cfg.train.resume)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``comera evaluate``: MLM loss and accuracy of a checkpoint on local files."""
+    from comera_dist.engine.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size,
+                                 max_batches=args.max_batches, seed=args.seed)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f}  "
+              f"({result['masked_tokens']} masked tokens in {result['batches']} batches)")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    """``comera export``: write a checkpoint in the requested format."""
+    from comera_dist.engine.evaluate import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, fmt=args.format)
+    print(path)
+    return 0
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from comera_dist.configbase import ConfigError
+    from comera_dist.engine.errors import InputError
+
+    return (ConfigError, InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return command(args)
+    except _bad_input_types() as e:
+        msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror}: {e.filename}"
+        print(f"comera {args.command}: error: {msg}".replace("\n", " "), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "pretrain": pretrain, "evaluate": evaluate, "export": export}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``comera``."""
+    args = build_parser().parse_args(argv)
+    return _run(COMMANDS[args.command], args)
+
+
+def pretrain_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``comera-pretrain`` and ``launch/train.py``: ``comera pretrain``."""
+    parser = argparse.ArgumentParser(prog="comera-pretrain", description=PRETRAIN_HELP)
+    _add_pretrain_args(parser)
+    args = parser.parse_args(argv)
+    args.command = "pretrain"
+    return _run(pretrain, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

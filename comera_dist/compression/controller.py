@@ -1,0 +1,133 @@
+"""The two-stage multi-objective rank controller (method doc section 3), as explicit state.
+
+Early stage (weighted sum):   loss = L + gamma * R
+Late stage (achievement scalarization toward the target point (L*, S*)):
+
+    lambda = 1[ (L - L*)/L  <  (S - S*)/S ]
+    loss   = 0.1*L + 0.01*R + lambda*R + (1 - lambda)*L
+
+``S* = target_ratio * S(at the switch)``. lambda is re-decided on every call from the
+GLOBAL task loss and size the engine passes (all-reduced over ranks, so every rank takes
+the same branch). With ``target_loss = 0`` the task gap is 1, larger than any size gap,
+so lambda stays 0: set ``target_loss`` to a reachable loss to make the late stage trade.
+
+The engine calls, per optimizer step: ``advance(step, global_loss, global_size)`` (may
+switch stage) then ``objective(...)``; the state rides in the checkpoint's client_state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from torch import Tensor
+
+from comera_dist.compression.config import ControllerConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class ControllerState:
+    """Everything the controller remembers between steps (checkpointed)."""
+
+    stage: Literal["early", "late"] = "early"
+    """Current stage."""
+    step: int = 0
+    """Last step passed to ``advance``."""
+    switch_step: int | None = None
+    """Step at which the late stage began (``None`` while early)."""
+    size_at_switch: int | None = None
+    """Global model size S when the late stage began."""
+    target_size: float | None = None
+    """S* = target_ratio * size_at_switch."""
+    lam: int | None = None
+    """The last late-stage lambda (0: optimise the task loss, 1: optimise size)."""
+    lam_switches: int = 0
+    """How many times lambda changed value in the late stage (a health metric)."""
+
+
+class RankController:
+    """Turns (task loss, rank penalty) into the scalar loss to back-propagate."""
+
+    def __init__(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+        self.state = ControllerState()
+
+    @property
+    def stage(self) -> str:
+        return self.state.stage
+
+    @property
+    def lam(self) -> int | None:
+        return self.state.lam
+
+    def advance(self, step: int, global_loss: float, global_size: int) -> bool:
+        """Record ``step`` and enter the late stage when the schedule says so.
+
+        Switches at ``step >= late_stage_step`` or when ``global_loss <= late_stage_loss``
+        (whichever is configured and comes first). Returns True on the step that switches
+        (the engine re-captures graphs then).
+        """
+        _check_global(global_loss, global_size)
+        self.state.step = step
+        if self.state.stage == "late":
+            return False
+        by_step = self.cfg.late_stage_step is not None and step >= self.cfg.late_stage_step
+        by_loss = self.cfg.late_stage_loss is not None and global_loss <= self.cfg.late_stage_loss
+        if not (by_step or by_loss):
+            return False
+        self.state.stage = "late"
+        self.state.switch_step = step
+        self.state.size_at_switch = int(global_size)
+        self.state.target_size = self.cfg.target_ratio * global_size
+        return True
+
+    def decide_lambda(self, global_loss: float, global_size: int) -> int:
+        """lambda = 1[(L - L*)/L < (S - S*)/S]; only meaningful in the late stage."""
+        _check_global(global_loss, global_size)
+        if self.state.target_size is None:
+            raise RuntimeError("RankController.decide_lambda: the late stage has not begun (call advance)")
+        task_gap = (global_loss - self.cfg.target_loss) / global_loss
+        size_gap = (global_size - self.state.target_size) / global_size
+        return int(task_gap < size_gap)
+
+    def objective(self, task_loss: Tensor, penalty: Tensor, *, global_loss: float, global_size: int) -> Tensor:
+        """The loss to back-propagate.
+
+        task_loss: this rank's 0-d task loss L (with graph); penalty: the 0-d rank penalty R;
+        global_loss / global_size: L and S all-reduced over ranks (plain numbers), which
+        decide lambda in the late stage.
+        """
+        if self.state.stage == "early":
+            return task_loss + self.cfg.gamma * penalty
+        lam = self.decide_lambda(global_loss, global_size)
+        if self.state.lam is not None and lam != self.state.lam:
+            self.state.lam_switches += 1
+        self.state.lam = lam
+        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
+        return base + (penalty if lam else task_loss)  # lam*R + (1-lam)*L with lam in {0, 1}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-data state (JSON/pickle-safe) for the checkpoint's client_state."""
+        return asdict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; unknown or missing keys are errors."""
+        names = {f.name for f in fields(ControllerState)}
+        unknown, missing = set(state) - names, names - set(state)
+        if unknown or missing:
+            raise ValueError(f"RankController.load_state_dict: unknown keys {sorted(unknown)}, "
+                             f"missing keys {sorted(missing)}")
+        new = ControllerState(**state)
+        if new.stage not in ("early", "late"):
+            raise ValueError(f"RankController.load_state_dict: stage must be 'early' or 'late', got {new.stage!r}")
+        if new.stage == "late" and new.target_size is None:
+            raise ValueError("RankController.load_state_dict: late stage without target_size")
+        self.state = new
+
+
+def _check_global(global_loss: float, global_size: int) -> None:
+    if not (math.isfinite(global_loss) and global_loss > 0):
+        raise ValueError(f"RankController: global_loss must be finite and > 0, got {global_loss}")
+    if not global_size > 0:
+        raise ValueError(f"RankController: global_size must be > 0, got {global_size}")

@@ -1,0 +1,110 @@
+"""RankController: stage schedule, the lambda rule, the two objectives, state round trip.
+
+The late stage running inside a real training of a TT model, with lambda switching in
+both directions, is shown in test_compression_training.py.
+"""
+
+import pytest
+import torch
+
+from comera_dist.compression.config import ControllerConfig
+from comera_dist.compression.controller import RankController
+
+
+def _losses():
+    L = torch.tensor(2.0, requires_grad=True)
+    R = torch.tensor(0.8, requires_grad=True)
+    return L, R
+
+
+def test_early_stage_is_weighted_sum_with_gamma():
+    ctl = RankController(ControllerConfig(gamma=0.05))
+    L, R = _losses()
+    assert not ctl.advance(0, global_loss=2.0, global_size=1000)
+    loss = ctl.objective(L, R, global_loss=2.0, global_size=1000)
+    loss.backward()
+    assert ctl.stage == "early" and ctl.lam is None
+    assert loss.item() == pytest.approx(2.0 + 0.05 * 0.8)
+    assert (L.grad.item(), R.grad.item()) == pytest.approx((1.0, 0.05))
+
+
+def test_switch_by_step_sets_target_size():
+    ctl = RankController(ControllerConfig(late_stage_step=3, target_ratio=0.25))
+    assert [ctl.advance(s, global_loss=3.0, global_size=800) for s in range(3)] == [False] * 3
+    assert ctl.advance(3, global_loss=3.0, global_size=800)
+    assert ctl.stage == "late"
+    assert (ctl.state.switch_step, ctl.state.size_at_switch, ctl.state.target_size) == (3, 800, 200.0)
+    assert not ctl.advance(4, global_loss=3.0, global_size=400)  # switches once; S* stays
+    assert ctl.state.target_size == 200.0
+
+
+def test_switch_by_loss_criterion():
+    ctl = RankController(ControllerConfig(late_stage_loss=1.5))
+    assert not ctl.advance(0, global_loss=1.6, global_size=100)
+    assert ctl.advance(1, global_loss=1.5, global_size=100)
+    assert ctl.stage == "late" and ctl.state.switch_step == 1
+
+
+def test_no_schedule_never_switches():
+    ctl = RankController(ControllerConfig())
+    assert not any(ctl.advance(s, global_loss=0.01, global_size=10) for s in range(100))
+    assert ctl.stage == "early"
+
+
+@pytest.mark.parametrize(
+    ("loss", "size", "lam"),
+    [
+        # S* = 500 (size gap 0.5 at S = 1000); L* = 1
+        (4.0, 1000, 0),  # task gap 0.75 > 0.5: push the task loss
+        (1.5, 1000, 1),  # task gap 1/3 < 0.5: push the size
+        (1.5, 600, 0),  # size gap 1/6 < 1/3: back to the task loss
+        (1.1, 600, 1),  # task gap 1/11 < 1/6
+    ],
+)
+def test_lambda_rule_and_late_objective(loss, size, lam):
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.5, target_loss=1.0))
+    ctl.advance(0, global_loss=4.0, global_size=1000)
+    L, R = _losses()
+    out = ctl.objective(L, R, global_loss=loss, global_size=size)
+    out.backward()
+    assert ctl.lam == lam
+    assert out.item() == pytest.approx(0.1 * 2.0 + 0.01 * 0.8 + lam * 0.8 + (1 - lam) * 2.0)
+    assert (L.grad.item(), R.grad.item()) == pytest.approx((0.1 + 1 - lam, 0.01 + lam))
+
+
+def test_lambda_uses_global_values_not_the_local_loss():
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_loss=1.0))
+    ctl.advance(0, global_loss=4.0, global_size=1000)
+    local = torch.tensor(100.0)  # a rank's own loss far from target must not decide lambda
+    ctl.objective(local, torch.tensor(1.0), global_loss=1.1, global_size=1000)
+    assert ctl.lam == 1
+
+
+def test_state_dict_round_trip_and_lambda_switch_count():
+    cfg = ControllerConfig(late_stage_step=0, target_loss=1.0)
+    ctl = RankController(cfg)
+    ctl.advance(0, global_loss=4.0, global_size=1000)
+    for loss in (4.0, 1.1, 4.0):
+        ctl.objective(torch.tensor(loss), torch.tensor(1.0), global_loss=loss, global_size=1000)
+    assert ctl.state.lam_switches == 2 and ctl.lam == 0
+    other = RankController(cfg)
+    other.load_state_dict(ctl.state_dict())
+    assert other.state == ctl.state
+    # the restored controller continues identically
+    a = ctl.objective(torch.tensor(1.1), torch.tensor(1.0), global_loss=1.1, global_size=1000)
+    b = other.objective(torch.tensor(1.1), torch.tensor(1.0), global_loss=1.1, global_size=1000)
+    assert a.item() == b.item() and other.state.lam_switches == 3
+
+
+def test_bad_state_and_bad_globals_are_clear_errors():
+    ctl = RankController(ControllerConfig(late_stage_step=0))
+    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
+        ctl.load_state_dict({**ctl.state_dict(), "bogus": 1})
+    with pytest.raises(ValueError, match=r"stage must be 'early' or 'late', got 'middle'"):
+        ctl.load_state_dict({**ctl.state_dict(), "stage": "middle"})
+    with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got nan"):
+        ctl.advance(0, global_loss=float("nan"), global_size=10)
+    with pytest.raises(ValueError, match=r"global_size must be > 0, got 0"):
+        ctl.advance(0, global_loss=1.0, global_size=0)
+    with pytest.raises(RuntimeError, match="late stage has not begun"):
+        ctl.decide_lambda(1.0, 10)

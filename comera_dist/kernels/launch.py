@@ -1,0 +1,59 @@
+"""Launch helpers shared by the Triton kernels: interpreter detection, block sizes, grid splits, checks."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# ``triton.jit`` reads TRITON_INTERPRET when a kernel is decorated, so ask a decorated kernel
+# rather than the environment (which may have changed since).
+INTERPRET: bool = isinstance(_probe, InterpretedFunction)
+
+
+def pow2_block(n: int, cap: int) -> int:
+    """The smallest power of two >= n, clamped to [16, cap] (compiled ``tl.dot`` needs >= 16)."""
+    return max(16, min(cap, triton.next_power_of_2(max(1, n))))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision that matches what torch's own matmul would do for ``dtype``.
+
+    fp32 uses TF32 only when the user allowed it for cuBLAS; half types ignore the setting.
+    """
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def split_count(tiles: int, max_split: int, device: torch.device) -> int:
+    """How many ways to split each of ``tiles`` programs' work so that the GPU has ~2 waves.
+
+    The interpreter runs programs one after another: splitting only costs time there, so 1.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, max(1, tiles))
+    return max(1, min(want, max_split))
+
+
+def check_same_device(op: str, **tensors: Tensor | None) -> None:
+    """All tensors on one device, and that device one the Triton kernels can run on."""
+    present = {k: t for k, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) != 1:
+        where = ", ".join(f"{k}={t.device}" for k, t in present.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {where}")
+    device = devices.pop()
+    if device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"{op}: the Triton kernels need CUDA tensors, got {device}; to run them on "
+                           f"the CPU set TRITON_INTERPRET=1 before triton is imported, or use the "
+                           f"'torch' backend (COMERA_KERNELS=torch)")

@@ -1,0 +1,223 @@
+"""Fused Triton kernels for the table-free TTM embedding lookup from two pair-contracted halves.
+
+Reference: ``comera_dist.tensor.contract.ttm_lookup_pairs``. For a row id ``i`` with
+``(i1, i2) = (i // M2, i % M2)``:
+
+    forward   out[t] = A[i1] @ B[:, i2]                (N1 x r) @ (r x N2), flattened to N1*N2
+    backward  dRows[u] = sum over tokens t of id u of dOut[t]
+              dA[i1]    = sum over ids u with that i1 of dRows[u] @ B[:, i2]^T
+              dB[:, i2] = sum over ids u with that i2 of A[i1]^T @ dRows[u]
+
+Deduplication: ids are sorted once; each distinct id is one program that computes its slice
+product once and writes it to every token position holding that id. The backward is a sorted
+segment reduction (no atomics, deterministic): the distinct ids are already grouped by ``i1``
+(they are sorted), and a stable sort by ``i2`` groups them for ``dB``; each group is one program
+that accumulates on chip and writes its slice of dA or dB once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision
+
+
+@triton.jit
+def _ttm_lookup_fwd_kernel(
+    uniq_ptr, offsets_ptr, order_ptr, a_ptr, b_ptr, out_ptr,
+    M2, N1, N2, RANK,
+    stride_a0, stride_a1, stride_a2, stride_b0, stride_b1, stride_b2, stride_om,
+    N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    u = tl.program_id(0)
+    row = tl.load(uniq_ptr + u)
+    i1 = row // M2
+    i2 = row % M2
+    offs_n1 = tl.arange(0, N1_PAD)
+    offs_n2 = tl.arange(0, N2_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_n1 = offs_n1 < N1
+    mask_n2 = offs_n2 < N2
+    mask_r = offs_r < RANK
+    a = tl.load(a_ptr + i1 * stride_a0 + offs_n1[:, None] * stride_a1 + offs_r[None, :] * stride_a2,
+                mask=mask_n1[:, None] & mask_r[None, :], other=0.0)  # (N1P, RP) = A[i1]
+    b = tl.load(b_ptr + offs_r[:, None] * stride_b0 + i2 * stride_b1 + offs_n2[None, :] * stride_b2,
+                mask=mask_r[:, None] & mask_n2[None, :], other=0.0)  # (RP, N2P) = B[:, i2]
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    rows = tl.dot(a, b, input_precision=PRECISION).to(out_ptr.dtype.element_ty)  # (N1P, N2P)
+    cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P) flat column n1*N2 + n2
+    mask = mask_n1[:, None] & mask_n2[None, :]
+    start = tl.load(offsets_ptr + u)
+    end = tl.load(offsets_ptr + u + 1)
+    for j in range(start, end):  # every token position that holds this id
+        t = tl.load(order_ptr + j)
+        tl.store(out_ptr + t * stride_om + cols, rows, mask=mask)
+
+
+@triton.jit
+def _ttm_lookup_bwd_a_kernel(
+    group_ptr, group_off_ptr, uniq_ptr, offsets_ptr, order_ptr, dout_ptr, b_ptr, drows_ptr, da_ptr,
+    M2, N1, N2, RANK,
+    stride_dom, stride_b0, stride_b1, stride_b2, stride_da0, stride_da1, stride_da2,
+    N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per distinct i1: dRows for its ids (stored, fp32) and dA[i1] (written once)."""
+    p = tl.program_id(0)
+    i1 = tl.load(group_ptr + p)
+    offs_n1 = tl.arange(0, N1_PAD)
+    offs_n2 = tl.arange(0, N2_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_n1 = offs_n1 < N1
+    mask_n2 = offs_n2 < N2
+    mask_r = offs_r < RANK
+    mask = mask_n1[:, None] & mask_n2[None, :]
+    cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P)
+    acc = tl.zeros((N1_PAD, R_PAD), dtype=tl.float32)  # (N1P, RP) = dA[i1]
+    for u in range(tl.load(group_off_ptr + p), tl.load(group_off_ptr + p + 1)):
+        i2 = tl.load(uniq_ptr + u) % M2
+        drow = tl.zeros((N1_PAD, N2_PAD), dtype=tl.float32)  # (N1P, N2P) = sum of this id's dOut rows
+        for j in range(tl.load(offsets_ptr + u), tl.load(offsets_ptr + u + 1)):
+            t = tl.load(order_ptr + j)
+            drow += tl.load(dout_ptr + t * stride_dom + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(drows_ptr + u * N1 * N2 + cols, drow, mask=mask)
+        b_t = tl.load(b_ptr + offs_n2[:, None] * stride_b2 + i2 * stride_b1 + offs_r[None, :] * stride_b0,
+                      mask=mask_n2[:, None] & mask_r[None, :], other=0.0)  # (N2P, RP) = B[:, i2]^T
+        if DOT_FP32:
+            acc = tl.dot(drow, b_t.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(drow.to(b_t.dtype), b_t, acc, input_precision=PRECISION)
+    tl.store(da_ptr + i1 * stride_da0 + offs_n1[:, None] * stride_da1 + offs_r[None, :] * stride_da2,
+             acc.to(da_ptr.dtype.element_ty), mask=mask_n1[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _ttm_lookup_bwd_b_kernel(
+    group_ptr, group_off_ptr, by_i2_ptr, uniq_ptr, a_ptr, drows_ptr, db_ptr,
+    M2, N1, N2, RANK,
+    stride_a0, stride_a1, stride_a2, stride_db0, stride_db1, stride_db2,
+    N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per distinct i2: dB[:, i2] = sum of A[i1]^T dRows[u] over its ids (written once)."""
+    p = tl.program_id(0)
+    i2 = tl.load(group_ptr + p)
+    offs_n1 = tl.arange(0, N1_PAD)
+    offs_n2 = tl.arange(0, N2_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_n1 = offs_n1 < N1
+    mask_n2 = offs_n2 < N2
+    mask_r = offs_r < RANK
+    cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P)
+    acc = tl.zeros((R_PAD, N2_PAD), dtype=tl.float32)  # (RP, N2P) = dB[:, i2]
+    for q in range(tl.load(group_off_ptr + p), tl.load(group_off_ptr + p + 1)):
+        u = tl.load(by_i2_ptr + q)
+        i1 = tl.load(uniq_ptr + u) // M2
+        a_t = tl.load(a_ptr + i1 * stride_a0 + offs_r[:, None] * stride_a2 + offs_n1[None, :] * stride_a1,
+                      mask=mask_r[:, None] & mask_n1[None, :], other=0.0)  # (RP, N1P) = A[i1]^T
+        drow = tl.load(drows_ptr + u * N1 * N2 + cols, mask=mask_n1[:, None] & mask_n2[None, :],
+                       other=0.0)  # (N1P, N2P) fp32
+        if DOT_FP32:
+            acc = tl.dot(a_t.to(tl.float32), drow, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a_t, drow.to(a_t.dtype), acc, input_precision=PRECISION)
+    tl.store(db_ptr + offs_r[:, None] * stride_db0 + i2 * stride_db1 + offs_n2[None, :] * stride_db2,
+             acc.to(db_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_n2[None, :])
+
+
+def _check(ids: Tensor, A: Tensor, B: Tensor) -> None:
+    if A.dim() != 3 or B.dim() != 3 or A.shape[2] != B.shape[0]:
+        raise ValueError(f"ttm_lookup: need A (M1, N1, r) and B (r, M2, N2), got A{tuple(A.shape)} "
+                         f"B{tuple(B.shape)}")
+    if A.dtype != B.dtype or A.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"ttm_lookup: A and B need one dtype among float32/float16/bfloat16, got "
+                         f"A={A.dtype} B={B.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
+        raise ValueError(f"ttm_lookup: ids must be a 1-D int64/int32 tensor, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")
+    check_same_device("ttm_lookup", ids=ids, A=A, B=B)
+
+
+class _Sorted:
+    """The token ids sorted once: distinct ids, and each id's run of token positions."""
+
+    __slots__ = ("uniq", "offsets", "order")
+
+    def __init__(self, ids: Tensor, n_rows: int):
+        sorted_ids, order = torch.sort(ids, stable=True)  # (T,), (T,)
+        if sorted_ids.numel() and (int(sorted_ids[0]) < 0 or int(sorted_ids[-1]) >= n_rows):
+            raise ValueError(f"ttm_lookup: ids must lie in [0, {n_rows}) (M1*M2), got values in "
+                             f"[{int(sorted_ids[0])}, {int(sorted_ids[-1])}]")
+        self.uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
+        self.offsets = _offsets(counts)  # (U+1,) token runs in ``order``
+        self.order = order  # (T,) token positions grouped by id
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)  # (n+1,)
+    torch.cumsum(counts, 0, out=out[1:])
+    return out
+
+
+def _pads(A: Tensor, B: Tensor) -> dict[str, int]:
+    n1, rank, n2 = A.shape[1], A.shape[2], B.shape[2]
+    return dict(N1_PAD=max(16, triton.next_power_of_2(n1)), N2_PAD=max(16, triton.next_power_of_2(n2)),
+                R_PAD=max(16, triton.next_power_of_2(rank)))
+
+
+def ttm_lookup_fwd(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """Rows of the TTM table for ``ids`` (T,) from A (M1, N1, r), B (r, M2, N2) -> (T, N1*N2)."""
+    _check(ids, A, B)
+    M1, N1, rank = A.shape
+    M2, N2 = B.shape[1], B.shape[2]
+    out = torch.empty((ids.numel(), N1 * N2), dtype=A.dtype, device=A.device)  # (T, N1*N2)
+    if ids.numel() == 0:
+        return out
+    s = _Sorted(ids.long(), M1 * M2)
+    _ttm_lookup_fwd_kernel[(s.uniq.numel(),)](
+        s.uniq, s.offsets, s.order, A, B, out,
+        M2, N1, N2, rank,
+        A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
+        **_pads(A, B), DOT_FP32=INTERPRET, PRECISION=dot_precision(A.dtype),
+    )
+    return out
+
+
+def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients ``(dA (M1, N1, r), dB (r, M2, N2))`` of the lookup for ``dout`` (T, N1*N2)."""
+    _check(ids, A, B)
+    M1, N1, rank = A.shape
+    M2, N2 = B.shape[1], B.shape[2]
+    if tuple(dout.shape) != (ids.numel(), N1 * N2) or dout.dtype != A.dtype:
+        raise ValueError(f"ttm_lookup backward: grad must be ({ids.numel()}, {N1 * N2}) {A.dtype}, got "
+                         f"{tuple(dout.shape)} {dout.dtype}")
+    dA = torch.zeros_like(A)  # (M1, N1, r); rows no token reads stay zero
+    dB = torch.zeros_like(B)  # (r, M2, N2)
+    if ids.numel() == 0:
+        return dA, dB
+    s = _Sorted(ids.long(), M1 * M2)
+    common = dict(**_pads(A, B), DOT_FP32=INTERPRET, PRECISION=dot_precision(A.dtype))
+    # Distinct ids are sorted, so ids sharing i1 = id // M2 are already contiguous.
+    i1_groups, i1_counts = torch.unique_consecutive(s.uniq // M2, return_counts=True)  # (G1,), (G1,)
+    drows = torch.empty((s.uniq.numel(), N1 * N2), dtype=torch.float32, device=A.device)  # (U, N1*N2)
+    _ttm_lookup_bwd_a_kernel[(i1_groups.numel(),)](
+        i1_groups, _offsets(i1_counts), s.uniq, s.offsets, s.order, dout, B, drows, dA,
+        M2, N1, N2, rank,
+        dout.stride(0), B.stride(0), B.stride(1), B.stride(2), dA.stride(0), dA.stride(1), dA.stride(2),
+        **common,
+    )
+    i2_sorted, by_i2 = torch.sort(s.uniq % M2, stable=True)  # (U,), (U,) distinct ids grouped by i2
+    i2_groups, i2_counts = torch.unique_consecutive(i2_sorted, return_counts=True)  # (G2,), (G2,)
+    _ttm_lookup_bwd_b_kernel[(i2_groups.numel(),)](
+        i2_groups, _offsets(i2_counts), by_i2, s.uniq, A, drows, dB,
+        M2, N1, N2, rank,
+        A.stride(0), A.stride(1), A.stride(2), dB.stride(0), dB.stride(1), dB.stride(2),
+        **common,
+    )
+    return dA, dB

@@ -1,0 +1,60 @@
+"""The rank penalty R: the differentiable surrogate of the model size (method doc section 3).
+
+    R = (sum over all gates of m(g)) / (number of gates above tau),   m(g) = g * [g > tau]
+
+It is a pure function of the gate values: no hooks, no accumulated state. R = 1 at
+initialisation (all gates 1). The denominator is a count, so it carries no gradient;
+the gradient of R w.r.t. a surviving gate entry is 1 / count, zero for a dead one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from comera_dist.compression.walk import tensorized_modules
+
+
+def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] | float | Tensor) -> Tensor:
+    """R from explicit gate vectors (e.g. gathered from ZeRO-3 partitions by the engine).
+
+    gates: one 1-D tensor per interior bond (any layers, any order); taus: one threshold per
+    gate vector, or a single threshold for all. Returns a 0-d tensor, differentiable w.r.t.
+    the gates. With no surviving gate at all R is 0 (still attached to the graph).
+    """
+    if len(gates) == 0:
+        raise ValueError("penalty_from_gates: gates is empty (the model has no tensorized layer?)")
+    if isinstance(taus, (float, int, Tensor)):
+        taus = [taus] * len(gates)
+    if len(taus) != len(gates):
+        raise ValueError(f"penalty_from_gates: got {len(gates)} gate vectors but {len(taus)} taus")
+    total = gates[0].new_zeros(())
+    count = gates[0].new_zeros(())
+    for i, (g, tau) in enumerate(zip(gates, taus)):
+        if g.dim() != 1:
+            raise ValueError(f"penalty_from_gates: gates[{i}] must be 1-D, got shape {tuple(g.shape)}")
+        # Python thresholds are checked here; tensor thresholds (layer buffers) are checked
+        # by the layers, and reading them back would force a device sync per gate.
+        if not isinstance(tau, Tensor) and not tau > 0:
+            raise ValueError(f"penalty_from_gates: tau for gates[{i}] must be > 0, got {tau}")
+        alive = g > tau  # (r_k,) bool
+        total = total + (g * alive).sum()  # () sum of m(g)
+        count = count + alive.sum()  # () surviving entries, no gradient
+    return total / count.clamp(min=1)
+
+
+def rank_penalty(model: nn.Module) -> Tensor:
+    """R over every gate of every tensorized layer of ``model`` (each layer's own ``tau``).
+
+    ``model`` must hold full (not ZeRO-3 partitioned) gates; under ZeRO-3 the engine gathers
+    the gates and calls :func:`penalty_from_gates`.
+    """
+    gates: list[Tensor] = []
+    taus: list[Tensor] = []
+    for _, layer in tensorized_modules(model):
+        gates.extend(layer.gates)
+        taus.extend([layer.tau] * len(layer.gates))
+    if not gates:
+        raise ValueError(f"rank_penalty: {type(model).__name__} has no tensorized layer with gates")
+    return penalty_from_gates(gates, taus)

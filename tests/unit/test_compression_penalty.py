@@ -1,0 +1,69 @@
+"""rank_penalty: R = sum m(g) / #(g > tau) over all gates, on real TT layers; pure and differentiable."""
+
+import pytest
+import torch
+from torch import nn
+
+from comera_dist.compression.penalty import penalty_from_gates, rank_penalty
+from comera_dist.layers.linear import TTLinear
+
+
+def _model(tau_b: float = 1e-2) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    return nn.Sequential(
+        TTLinear(16, 24, num_cores=4, max_rank=4, generator=g),
+        nn.LayerNorm(24),
+        TTLinear(24, 16, num_cores=6, max_rank=3, tau=tau_b, generator=g),
+    )
+
+
+def test_penalty_is_one_at_init():
+    assert rank_penalty(_model()).item() == pytest.approx(1.0)
+
+
+def test_penalty_matches_hand_formula_and_gradient():
+    model = _model(tau_b=0.2)
+    a, b = model[0], model[2]
+    with torch.no_grad():
+        a.gates[0].copy_(torch.tensor([0.5, 0.005, 2.0, -1.0]))  # 2 alive (tau 0.01)
+        b.gates[1].copy_(torch.tensor([0.15, 0.3, 0.1]))  # 1 alive (tau 0.2 for this layer)
+    before = [g.detach().clone() for g in (*a.gates, *b.gates)]
+    R = rank_penalty(model)
+    # alive entries: a: 0.5, 2.0 + the other two gates of a (4 + 4 ones); b: 0.3 + the 3 other gates of b
+    sizes_b = [int(g.numel()) for g in b.gates]
+    alive = 2 + 8 + 1 + (sum(sizes_b) - sizes_b[1])
+    total = 0.5 + 2.0 + 8 + 0.3 + (sum(sizes_b) - sizes_b[1])
+    assert R.item() == pytest.approx(total / alive)
+    R.backward()
+    assert torch.equal(a.gates[0].grad, torch.tensor([1.0, 0.0, 1.0, 0.0]) / alive)
+    assert torch.equal(b.gates[1].grad, torch.tensor([0.0, 1.0, 0.0]) / alive)
+    assert all(g.grad is None for g in a.cores)  # R depends on gates only
+    # pure: the stored gates are untouched and a second call gives the same value
+    assert all(torch.equal(x, y.detach()) for x, y in zip(before, (*a.gates, *b.gates)))
+    assert rank_penalty(model).item() == R.item()
+
+
+def test_gathered_gate_list_gives_the_same_value():
+    model = _model(tau_b=0.2)
+    with torch.no_grad():
+        model[2].gates[0].mul_(0.1)  # all of this bond falls below its tau 0.2 (ones * 0.1)
+    gates = [*model[0].gates, *model[2].gates]
+    taus = [model[0].tau] * 3 + [model[2].tau] * 5
+    assert penalty_from_gates(gates, taus).item() == pytest.approx(rank_penalty(model).item())
+    assert penalty_from_gates(gates, taus).item() == pytest.approx(1.0)  # the dead bond is left out
+
+
+def test_all_gates_dead_gives_zero_not_nan():
+    R = penalty_from_gates([torch.zeros(3, requires_grad=True)], 1e-2)
+    assert R.item() == 0.0 and R.requires_grad
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="has no tensorized layer"):
+        rank_penalty(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"tau for gates\[0\] must be > 0, got 0.0"):
+        penalty_from_gates([torch.ones(3)], 0.0)
+    with pytest.raises(ValueError, match=r"gates\[1\] must be 1-D, got shape \(2, 2\)"):
+        penalty_from_gates([torch.ones(3), torch.ones(2, 2)], 1e-2)
+    with pytest.raises(ValueError, match="2 gate vectors but 1 taus"):
+        penalty_from_gates([torch.ones(3), torch.ones(2)], [1e-2])

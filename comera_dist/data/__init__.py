@@ -1,1 +1,15 @@
-"""comera_dist.data"""
+"""The data pipeline: corpus on ``datasets``, local tokenizer, packed blocks, collators, resumable loader."""
+
+from comera_dist.data.collators import IGNORE_INDEX, batch_seed, causal_collator, collator_for, mlm_collator
+from comera_dist.data.config import DataConfig, TokenizerConfig
+from comera_dist.data.corpus import build_corpus
+from comera_dist.data.errors import CacheError, DataError
+from comera_dist.data.loader import PackedLoader, eval_batches
+from comera_dist.data.prepare import PreparedData, check_compat, evaluation_corpus, prepare_data
+from comera_dist.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX", "SPECIAL_TOKENS", "CacheError", "DataConfig", "DataError", "PackedLoader", "PreparedData",
+    "TokenizerConfig", "batch_seed", "build_corpus", "causal_collator", "check_compat", "collator_for",
+    "eval_batches", "evaluation_corpus", "load_tokenizer", "mlm_collator", "prepare_data", "train_tokenizer",
+]

@@ -1,0 +1,74 @@
+"""Content-keyed, atomically published cache entries (one directory per artifact)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from comera_dist.data.errors import CacheError
+
+META = "comera_meta.json"
+"""Written last inside an entry: its presence marks a complete entry."""
+FORMAT_VERSION = 1
+"""Bump when the layout of any cached artifact changes; old entries are then ignored."""
+
+
+def content_key(kind: str, payload: Any) -> str:
+    """A stable short hash of ``payload`` (JSON-serializable) for an artifact of ``kind``."""
+    text = json.dumps({"kind": kind, "version": FORMAT_VERSION, "payload": payload},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def entry_dir(root: Path, kind: str, key: str) -> Path:
+    """Where the entry of ``kind`` with ``key`` lives under cache root ``root``."""
+    return root / f"{kind}-{key}"
+
+
+def read_meta(path: Path) -> dict[str, Any] | None:
+    """The metadata of a complete entry; ``None`` if there is no entry; ``CacheError`` if it is broken."""
+    if not path.exists():
+        return None
+    meta_file = path / META
+    try:
+        meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+    except (OSError, ValueError) as e:
+        raise unreadable(path, f"{meta_file.name}: {e}") from e
+    return meta
+
+
+def unreadable(path: Path, why: str) -> CacheError:
+    """The error for a broken entry at ``path`` (we never delete user-visible data silently)."""
+    return CacheError(f"unreadable cache entry {path} ({why}); delete it to rebuild: rm -rf '{path}'")
+
+
+@contextlib.contextmanager
+def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
+    """Build an entry in a temporary sibling directory, then rename it to ``final`` in one step.
+
+    Yields the temporary directory to fill. On an exception the temporary directory is removed
+    and ``final`` is untouched, so an interrupted build never leaves a half entry. If another
+    process published ``final`` first, its entry is kept and ours discarded (same content key).
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        (tmp / META).write_text(json.dumps(meta, sort_keys=True, indent=1, default=str))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / META).exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

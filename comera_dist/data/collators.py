@@ -1,0 +1,82 @@
+"""Batch collators: MLM masking (80/10/10) and causal LM, deterministic given a ``torch.Generator``.
+
+A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, attention_mask,
+labels)``, all ``(B, L)`` int64; ignored label positions are ``-100``. ``PackedLoader`` seeds the
+generator per (seed, step, rank) with ``batch_seed``, so a batch's masks depend only on those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from comera_dist.data.errors import DataError
+
+IGNORE_INDEX = -100
+"""Label of positions that carry no loss (the ``ignore_index`` of ``F.cross_entropy``)."""
+
+Collator = Callable[[Tensor, torch.Generator], dict[str, Tensor]]
+
+
+def batch_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit generator seed from (seed, step, rank), well mixed so nearby triples are unrelated."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.15) -> Collator:
+    """BERT masking: select ``mlm_probability`` of the non-special tokens; of those 80% become
+    ``[MASK]``, 10% a random non-special token, 10% stay; labels hold the originals there only.
+
+    At least one token per batch is selected, so the loss is never a mean over nothing.
+    """
+    if not 0.0 < mlm_probability < 1.0:
+        raise DataError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+    if tokenizer.mask_token_id is None:
+        raise DataError(f"MLM needs a mask token; {type(tokenizer).__name__} has none")
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    vocab = len(tokenizer)
+    ordinary = torch.tensor([i for i in range(vocab) if i not in set(special.tolist())], dtype=torch.long)
+    mask_id = tokenizer.mask_token_id
+
+    def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        ids = input_ids.long()  # (B, L)
+        eligible = ~torch.isin(ids, special)  # (B, L)
+        selected = (torch.rand(ids.shape, generator=generator) < mlm_probability) & eligible  # (B, L)
+        if not selected.any() and eligible.any():
+            flat = eligible.flatten().nonzero().squeeze(1)  # (n_eligible,)
+            pick = flat[torch.randint(len(flat), (1,), generator=generator)]
+            selected.view(-1)[pick] = True
+        labels = torch.where(selected, ids, IGNORE_INDEX)  # (B, L)
+        draw = torch.rand(ids.shape, generator=generator)  # (B, L): one draw decides 80/10/10
+        to_mask = selected & (draw < 0.8)
+        to_random = selected & (draw >= 0.8) & (draw < 0.9)
+        random_ids = ordinary[torch.randint(len(ordinary), ids.shape, generator=generator)]  # (B, L)
+        out = torch.where(to_mask, mask_id, ids)
+        out = torch.where(to_random, random_ids, out)
+        return {"input_ids": out, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+    return collate
+
+
+def causal_collator() -> Collator:
+    """Causal LM: labels are the inputs unshifted (the model shifts, as HF causal models do)."""
+
+    def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        ids = input_ids.long()  # (B, L)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    return collate
+
+
+def collator_for(objective: str, tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.15) -> Collator:
+    """The collator of ``objective`` (``mlm`` or ``causal``)."""
+    if objective == "mlm":
+        return mlm_collator(tokenizer, mlm_probability)
+    if objective == "causal":
+        return causal_collator()
+    raise DataError(f"data.objective must be 'mlm' or 'causal', got {objective!r}")

@@ -1,0 +1,114 @@
+"""Training (``tokenizers``), saving and loading the ``PreTrainedTokenizerFast`` of a corpus."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import datasets
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from comera_dist.data import cache
+from comera_dist.data.config import TokenizerConfig
+from comera_dist.data.errors import DataError
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""Ids 0-4 of every trained tokenizer, for both kinds. [CLS]/[SEP] double as BOS/EOS; [SEP]
+also separates documents in the packed stream."""
+
+
+def train_tokenizer(texts: datasets.Dataset, cfg: TokenizerConfig, *,
+                    show_progress: bool = True) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE or WordPiece tokenizer on the ``text`` column of ``texts``.
+
+    Reads documents in stored order until ``cfg.max_train_bytes`` of UTF-8 text.
+    """
+    if cfg.kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                      special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.NFC()  # keep case: identifiers in code are case-sensitive
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                            special_tokens=list(SPECIAL_TOKENS), show_progress=show_progress)
+    tok.train_from_iterator(_capped(texts, cfg.max_train_bytes), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   bos_token="[CLS]", eos_token="[SEP]", model_max_length=10**9)
+
+
+def tokenizer_key(corpus_key: str, cfg: TokenizerConfig) -> str:
+    """The content key of a tokenizer: the corpus it learnt from and its settings (or its saved files)."""
+    if cfg.pretrained is not None:
+        root = _pretrained_dir(cfg.pretrained)
+        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
+        return cache.content_key("tokenizer", {"pretrained": str(root), "files": files})
+    return cache.content_key("tokenizer", {"corpus": corpus_key, "kind": cfg.kind, "vocab": cfg.vocab_size,
+                                           "min_frequency": cfg.min_frequency,
+                                           "max_train_bytes": cfg.max_train_bytes})
+
+
+def obtain_tokenizer(train: datasets.Dataset | None, cfg: TokenizerConfig, *, corpus_key: str,
+                     cache_root: Path, show_progress: bool = True) -> tuple[PreTrainedTokenizerBase, str]:
+    """(tokenizer, key): a ``pretrained`` one, a cached one, or one trained on ``train`` and cached.
+
+    ``train=None`` only loads (ranks that wait for the building rank).
+    """
+    key = tokenizer_key(corpus_key, cfg)
+    if cfg.pretrained is not None:
+        return load_tokenizer(_pretrained_dir(cfg.pretrained)), key
+    path = cache.entry_dir(cache_root, "tokenizer", key)
+    if cache.read_meta(path) is None:
+        if train is None:
+            raise cache.unreadable(path, "missing after the building rank finished; is cache_dir shared "
+                                         "by all ranks of this node?")
+        meta = {"kind": cfg.kind, "requested_vocab": cfg.vocab_size}
+        with cache.publish(path, meta) as tmp:
+            tok = train_tokenizer(train, cfg, show_progress=show_progress)
+            tok.save_pretrained(str(tmp))
+            meta["vocab"] = len(tok)
+        log.info("tokenizer: trained %s (%d tokens)", path, meta["vocab"])
+    return load_tokenizer(path), key
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Load a saved tokenizer directory; a damaged cache entry is a ``CacheError`` naming it."""
+    meta = cache.read_meta(path) if (path / cache.META).exists() else None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # json/OS errors of a damaged directory
+        if meta is not None:
+            raise cache.unreadable(path, f"{type(e).__name__}: {e}") from e
+        raise DataError(f"data.tokenizer.pretrained: cannot load a tokenizer from {path}: {e}") from e
+    if meta is not None and meta.get("vocab") not in (None, len(tok)):
+        raise cache.unreadable(path, f"vocabulary of {len(tok)} tokens, recorded {meta['vocab']}")
+    return tok
+
+
+def _pretrained_dir(name: str) -> Path:
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise DataError(f"data.tokenizer.pretrained: no such directory: {path}")
+    return path.resolve()
+
+
+def _capped(texts: datasets.Dataset, max_bytes: int) -> Iterator[list[str]]:
+    seen = 0
+    for start in range(0, len(texts), 256):
+        batch = texts[start:start + 256]["text"]
+        for i, t in enumerate(batch):
+            seen += len(t.encode("utf-8", "surrogatepass"))
+            if seen >= max_bytes:
+                yield batch[:i + 1]
+                return
+        yield batch

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from comera_dist.tensor.tt import chain
+
 
 def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """Bidirectional TT linear: ``y = (x L) R + b``.
@@ -32,3 +34,139 @@ def ttm_lookup_pairs(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     b = B[:, uniq % M2].transpose(0, 1)  # (U, r, N2)
     rows = torch.bmm(a, b).reshape(-1, N1 * N2)  # (U, N1*N2)
     return rows[inverse]  # (T, N1*N2)
+
+
+# --------------------------------------------------------------------------------------------
+# TT linear: the reference einsum, the two halves L and R, the sequential core-by-core order.
+# --------------------------------------------------------------------------------------------
+
+_LETTERS = "abcdefghijklmnopqrsuvwxyzABCDEFGHIJKLMNOPQRSUVWXYZ"  # 't' is the token axis
+
+
+def tt_linear_einsum(x: Tensor, cores: list[Tensor], masks: list[Tensor] | None, d: int) -> Tensor:
+    """Reference TT linear ``y = x W`` as one einsum over all cores and gate masks (no bias).
+
+    x: (T, N_in); cores ``G_k: (r_{k-1}, n_k, r_k)``, the first ``d`` on the input side;
+    masks: ``len(cores) - 1`` vectors or None. Returns (T, N_out).
+    """
+    D = len(cores)
+    if 2 * D + 1 > len(_LETTERS):
+        raise ValueError(f"tt_linear_einsum supports at most {(len(_LETTERS) - 1) // 2} cores, got {D}")
+    bonds, modes = _LETTERS[: D + 1], _LETTERS[D + 1: 2 * D + 1]
+    in_shape = [c.shape[1] for c in cores[:d]]
+    operands = [x.reshape(x.shape[0], *in_shape)]  # (T, n_1, ..., n_d)
+    terms = ["t" + modes[:d]]
+    for k, c in enumerate(cores):
+        operands.append(c)
+        terms.append(bonds[k] + modes[k] + bonds[k + 1])
+    for k, m in enumerate(masks or []):
+        operands.append(m)
+        terms.append(bonds[k + 1])
+    y = torch.einsum(",".join(terms) + "->t" + modes[d:], *operands)  # (T, n_{d+1}, ..., n_D)
+    return y.reshape(x.shape[0], -1)
+
+
+def contract_left(cores_in: list[Tensor], masks_in_and_mid: list[Tensor] | None) -> Tensor:
+    """``L (N_in, r_d)``: the input-side cores contracted, with the middle mask folded in.
+
+    masks_in_and_mid: ``d`` vectors (the bonds after each input core, the middle one last) or None.
+    """
+    z = chain(cores_in, masks_in_and_mid)  # (1, N_in, r_d)
+    return z.reshape(z.shape[1], z.shape[2])
+
+
+def contract_right(cores_out: list[Tensor], masks: list[Tensor] | None) -> Tensor:
+    """``R (r_d, N_out)``: the output-side cores contracted; masks: ``d_out - 1`` vectors or None."""
+    z = chain(cores_out, masks)  # (r_d, N_out, 1)
+    return z.reshape(z.shape[0], z.shape[1])
+
+
+def tt_linear_sequential(x: Tensor, cores: list[Tensor], masks: list[Tensor] | None, d: int) -> Tensor:
+    """TT linear core by core through the tokens (no L/R build; wins for few tokens or a huge r_d).
+
+    x: (T, N_in) -> (T, N_out). Each step contracts one mode and one bond of the running state.
+    """
+    T = x.shape[0]
+    s = x.reshape(T, x.shape[1], 1)  # (T, rem, r_0)
+    for k in range(d):
+        c = cores[k]  # (r, n, r')
+        s = s.reshape(T, c.shape[1], -1, c.shape[0])  # (T, n_k, rem', r)
+        s = torch.einsum("tnqr,rns->tqs", s, c)  # (T, rem', r')
+        if masks is not None:
+            s = s * masks[k]
+    s = s.reshape(T, 1, -1)  # (T, P=1, r_d)
+    for k in range(d, len(cores)):
+        c = cores[k]  # (r, n, r')
+        s = torch.einsum("tpr,rns->tpns", s, c).reshape(T, -1, c.shape[2])  # (T, P*n, r')
+        if masks is not None and k < len(masks):
+            s = s * masks[k]
+    return s.reshape(T, -1)  # (T, N_out)
+
+
+# --------------------------------------------------------------------------------------------
+# TTM lookup: the pair split, the reference gather, the naive per-core chain.
+# --------------------------------------------------------------------------------------------
+
+
+def ttm_split(num_cores: int) -> int:
+    """How many cores go into the first half ``A`` of ``ttm_pair_contract`` (ceil of half)."""
+    return (num_cores + 1) // 2
+
+
+def _ttm_chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
+    """Contract 4-way TTM cores: returns ``(r_0, M, N, r_last)``; a trailing mask is folded in."""
+    z = cores[0]  # (r0, m, n, r1)
+    for k in range(1, len(cores)):
+        if masks is not None and k - 1 < len(masks):
+            z = z * masks[k - 1]
+        c = cores[k]  # (r, m, n, r')
+        a, M, N = z.shape[0], z.shape[1], z.shape[2]
+        z = torch.einsum("aMNr,rmns->aMmNns", z, c).reshape(a, M * c.shape[1], N * c.shape[2], c.shape[3])
+    if masks is not None and len(masks) >= len(cores):
+        z = z * masks[len(cores) - 1]
+    return z
+
+
+def ttm_pair_contract(cores: list[Tensor], masks: list[Tensor] | None) -> tuple[Tensor, Tensor]:
+    """Split TTM cores into two pre-contracted halves ``A (M1, N1, r)`` and ``B (r, M2, N2)``.
+
+    The first ``ttm_split(D)`` cores form ``A`` (with the mask of the split bond folded in), the
+    rest ``B``. Row id ``i`` of the table is ``(i // M2, i % M2)`` in (A, B) coordinates.
+    """
+    if len(cores) < 2:
+        raise ValueError(f"a TTM needs at least 2 cores, got {len(cores)}")
+    h = ttm_split(len(cores))
+    A = _ttm_chain(cores[:h], None if masks is None else masks[:h])[0]  # (M1, N1, r)
+    B = _ttm_chain(cores[h:], None if masks is None else masks[h:])[..., 0]  # (r, M2, N2)
+    return A, B
+
+
+def ttm_lookup_reference(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """Rows ``ids`` of the table ``A . B`` without deduplication; ids: (T,) -> (T, N1*N2)."""
+    M2 = B.shape[1]
+    a = A[ids // M2]  # (T, N1, r)
+    b = B[:, ids % M2]  # (r, T, N2)
+    return torch.einsum("tnr,rtm->tnm", a, b).reshape(ids.shape[0], -1)
+
+
+def ttm_lookup_naive(ids: Tensor, cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
+    """The per-core chain (the paper's baseline): gather each core's slice per token and multiply.
+
+    ids: (T,) -> (T, prod n). No deduplication and no pair pre-contraction.
+    """
+    row_modes = [c.shape[1] for c in cores]
+    T = ids.shape[0]
+    stride = 1
+    digits = []
+    for m in reversed(row_modes):  # row-major digits, m_1 most significant
+        digits.append((ids // stride) % m)
+        stride *= m
+    digits.reverse()
+    z = cores[0][0, digits[0]]  # (T, n_1, r_1)
+    for k in range(1, len(cores)):
+        if masks is not None:
+            z = z * masks[k - 1]
+        c = cores[k]  # (r, m, n, r')
+        s = c[:, digits[k]].permute(1, 0, 2, 3).reshape(T, c.shape[0], -1)  # (T, r, n*r')
+        z = torch.bmm(z, s).reshape(T, -1, c.shape[3])  # (T, P*n, r')
+    return z.reshape(T, -1)  # (T, prod n)

@@ -1,0 +1,100 @@
+"""TensorizedModule: the cores, rank gates, threshold and pruning shared by TT/TTM layers.
+
+Rank adaptation is explicit state: ``cores`` and ``gates`` are ``nn.ParameterList``s, ``tau`` is a
+buffer, so all of it rides in the ``state_dict``. The mask ``m(g) = g * [g > tau]`` is computed in
+every forward and never written back, so pruning by gates is reversible until ``prune_`` slices
+the cores physically.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class TensorizedModule(nn.Module):
+    """Base of ``TTLinear`` and ``TTEmbedding``; subclasses set the cores and the accounting."""
+
+    cores: nn.ParameterList
+    gates: nn.ParameterList
+    tau: Tensor
+
+    def _init_state(self, cores: list[Tensor], tau: float) -> None:
+        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
+            raise ValueError(f"tau must be a number > 0 (the gate threshold), got {tau!r}")
+        self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
+        self.gates = nn.ParameterList(
+            [nn.Parameter(torch.ones(c.shape[-1], dtype=c.dtype, device=c.device)) for c in cores[:-1]])
+        self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
+
+    # ---- gates -------------------------------------------------------------------------
+
+    def masked_gates(self) -> list[Tensor]:
+        """``m(g_k) = g_k * [g_k > tau]`` for every interior bond (differentiable in ``g``)."""
+        return [g * (g > self.tau) for g in self.gates]
+
+    def ranks(self) -> list[int]:
+        """Active rank ``#(g_k > tau)`` of every interior bond."""
+        return [int((g.detach() > self.tau).sum()) for g in self.gates]
+
+    def bond_dims(self) -> list[int]:
+        """Physical size of every interior bond (what the cores store)."""
+        return [int(g.shape[0]) for g in self.gates]
+
+    def full_ranks(self, active: bool = True) -> list[int]:
+        """``[1, r_1, ..., r_{D-1}, 1]`` with active or physical interior ranks."""
+        return [1, *(self.ranks() if active else self.bond_dims()), 1]
+
+    # ---- pruning -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prune_(self, kept: dict[int, Tensor]) -> None:
+        """Keep only ``kept[k]`` indices of bond ``k``: slices core ``k`` (last dim), core ``k+1``
+        (first dim) and gate ``k``; the new tensors are fresh ``nn.Parameter``s (optimizer state
+        must be rebuilt by the caller, see ``compression.pruning.apply_plan``)."""
+        D = len(self.cores)
+        idx: dict[int, Tensor] = {}
+        for k, ix in kept.items():
+            if not isinstance(k, int) or not 0 <= k < D - 1:
+                raise ValueError(f"kept has bond {k!r}; bonds are 0..{D - 2}")
+            size = self.gates[k].shape[0]
+            ix = torch.as_tensor(ix, dtype=torch.long, device=self.gates[k].device).reshape(-1)
+            if ix.numel() == 0:
+                raise ValueError(f"kept[{k}] is empty: a bond must keep at least one rank")
+            if int(ix.min()) < 0 or int(ix.max()) >= size:
+                raise ValueError(f"kept[{k}]={ix.tolist()} has indices outside 0..{size - 1}")
+            if torch.unique(ix).numel() != ix.numel():
+                raise ValueError(f"kept[{k}]={ix.tolist()} has duplicate indices")
+            idx[k] = ix
+        for k, ix in idx.items():
+            self.cores[k] = _like(self.cores[k], self.cores[k].index_select(-1, ix))
+            self.cores[k + 1] = _like(self.cores[k + 1], self.cores[k + 1].index_select(0, ix))
+            self.gates[k] = _like(self.gates[k], self.gates[k].index_select(0, ix))
+
+    # ---- state_dict shape check ----------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        for group in ("cores", "gates"):
+            for k, p in enumerate(getattr(self, group)):
+                key = f"{prefix}{group}.{k}"
+                if key in state_dict and tuple(state_dict[key].shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
+                        f"{type(self).__name__} expects {tuple(p.shape)}; a pruned checkpoint needs a "
+                        f"model built with its ranks (ranks={self._ranks_in(state_dict, prefix)})")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _ranks_in(self, state_dict: dict[str, Any], prefix: str) -> list[int] | str:
+        """The rank profile a checkpoint's cores imply (for the error message)."""
+        keys = [f"{prefix}cores.{k}" for k in range(len(self.cores))]
+        if not all(k in state_dict for k in keys):
+            return "unknown"
+        return [int(state_dict[k].shape[0]) for k in keys] + [1]
+
+
+def _like(old: nn.Parameter, data: Tensor) -> nn.Parameter:
+    return nn.Parameter(data.contiguous().clone(), requires_grad=old.requires_grad)

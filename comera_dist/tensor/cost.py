@@ -1,0 +1,100 @@
+"""Contraction-order cost model for the TT linear layer: FLOPs plus saved-activation bytes.
+
+Three orders compute the same ``y = x W``:
+
+- ``lr``: build ``L (N_in, r_d)`` and ``R (r_d, N_out)`` once, then ``(x L) R``; per token
+  ``2 r_d (N_in + N_out)``; saves ``x L`` (T r_d) plus L and R.
+- ``sequential``: contract the tokens through one core at a time; nothing batch-independent to
+  build, so it wins for a handful of tokens, and for a huge middle rank ``r_d``; saves every
+  intermediate state.
+- ``dense``: densify ``W`` and run one GEMM; wins only when the ranks are near full.
+
+The score is a time model, ``flops + flops_per_byte * saved_bytes``: a saved activation is
+written in forward and read back in backward, and on a bandwidth-bound machine one byte moved
+costs about as much time as ``flops_per_byte`` FLOPs. ``memory_budget`` (bytes) excludes any order
+that would save more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from comera_dist.tensor.accounting import tt_dense_flops, tt_lr_flops, tt_sequential_flops
+
+ORDERS: tuple[str, ...] = ("lr", "sequential", "dense")
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """One contraction order and its predicted cost for a token count."""
+
+    name: str
+    """``lr`` | ``sequential`` | ``dense``."""
+    flops: int
+    """Forward FLOPs for all tokens, batch-independent builds included."""
+    saved_bytes: int
+    """Bytes of tensors autograd keeps for backward (beyond the input ``x``)."""
+    score: float
+    """``flops + flops_per_byte * saved_bytes``: what ``choose_order`` minimizes."""
+
+
+def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: list[int], *,
+                bytes_per_element: int = 4, flops_per_byte: float = 4.0) -> dict[str, Order]:
+    """The predicted cost of every order."""
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    d = len(in_modes)
+    n_in, n_out, r_d = math.prod(in_modes), math.prod(out_modes), ranks[d]
+    modes = list(in_modes) + list(out_modes)
+    # Chain intermediates of a build: (prod of modes so far) x r for every step.
+    build_in = sum(math.prod(in_modes[:k + 1]) * ranks[k + 1] for k in range(d))
+    build_out = sum(ranks[d] * math.prod(out_modes[:k + 1]) * ranks[d + k + 1] for k in range(len(out_modes)))
+    build_all = sum(math.prod(modes[:k + 1]) * ranks[k + 1] for k in range(len(modes)))
+    seq, rem = 0, n_in
+    for k, n in enumerate(in_modes):  # the state entering each step is saved
+        seq += rem * ranks[k]
+        rem //= n
+    P = 1
+    for k, n in enumerate(out_modes, start=d):
+        seq += P * ranks[k]
+        P *= n
+    elems = {
+        "lr": tokens * r_d + build_in + build_out,
+        "sequential": tokens * (seq - n_in),  # the first state is x itself
+        "dense": build_all + n_in * n_out,
+    }
+    flops = {
+        "lr": tt_lr_flops(tokens, in_modes, out_modes, ranks),
+        "sequential": tt_sequential_flops(tokens, in_modes, out_modes, ranks),
+        "dense": tt_dense_flops(tokens, in_modes, out_modes, ranks),
+    }
+    out = {}
+    for name in ORDERS:
+        b = elems[name] * bytes_per_element
+        out[name] = Order(name=name, flops=flops[name], saved_bytes=b, score=flops[name] + flops_per_byte * b)
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _choose(tokens: int, in_modes: tuple[int, ...], out_modes: tuple[int, ...], ranks: tuple[int, ...],
+            bytes_per_element: int, flops_per_byte: float, memory_budget: int | None) -> Order:
+    costs = order_costs(tokens, list(in_modes), list(out_modes), list(ranks),
+                        bytes_per_element=bytes_per_element, flops_per_byte=flops_per_byte)
+    fitting = [o for o in costs.values() if memory_budget is None or o.saved_bytes <= memory_budget]
+    if not fitting:  # nothing fits: the least memory wins
+        return min(costs.values(), key=lambda o: (o.saved_bytes, o.flops))
+    return min(fitting, key=lambda o: (o.score, ORDERS.index(o.name)))
+
+
+def choose_order(tokens: int, in_modes: list[int], out_modes: list[int], ranks: list[int], d: int | None = None,
+                 *, bytes_per_element: int = 4, flops_per_byte: float = 4.0,
+                 memory_budget: int | None = None) -> Order:
+    """The cheapest order for ``tokens`` tokens (see the module docstring); ``d`` = len(in_modes)."""
+    if d is not None and d != len(in_modes):
+        raise ValueError(f"d={d} differs from len(in_modes)={len(in_modes)}")
+    if len(ranks) != len(in_modes) + len(out_modes) + 1:
+        raise ValueError(f"ranks {ranks} must have length {len(in_modes) + len(out_modes) + 1}")
+    return _choose(int(tokens), tuple(in_modes), tuple(out_modes), tuple(ranks), bytes_per_element,
+                   float(flops_per_byte), memory_budget)

@@ -1,0 +1,114 @@
+"""The TT (tensor-train) format of a linear weight: init, densify, TT-SVD.
+
+A weight ``W`` of shape ``(N_in, N_out)`` with ``N_in = prod(in_modes)`` (``d`` cores) and
+``N_out = prod(out_modes)`` is stored as cores ``G_k: (r_{k-1}, n_k, r_k)``, input modes first,
+row-major (``n_1`` is the most significant input digit). ``masks`` are the masked gate values
+``m(g_k)`` of the interior bonds (``len(cores) - 1`` vectors) or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from comera_dist.tensor.factorize import check_modes, tt_ranks
+
+
+def core_stds(ranks: list[int], std: float) -> list[float]:
+    """Per-core std so that every entry of the full product has std ``std``.
+
+    ``G_k ~ N(0, 1) / sqrt(r_k) * std^(1/D)``: the product of ``D`` cores summed over the
+    interior ranks has variance ``prod_k (std^(2/D) / r_k) * prod(interior ranks) = std^2``.
+    """
+    if not std > 0:
+        raise ValueError(f"init std must be > 0, got {std}")
+    D = len(ranks) - 1
+    return [std ** (1.0 / D) / math.sqrt(ranks[k + 1]) for k in range(D)]
+
+
+def tt_init(in_modes: list[int], out_modes: list[int], ranks: list[int], std: float,
+            generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+            device: torch.device | str | None = None) -> list[Tensor]:
+    """Gaussian TT cores ``(r_{k-1}, n_k, r_k)`` whose densified product has entry std ``std``."""
+    modes = list(in_modes) + list(out_modes)
+    if len(ranks) != len(modes) + 1:
+        raise ValueError(f"ranks has length {len(ranks)}, expected {len(modes) + 1} for modes {modes}")
+    cores = []
+    for k, s in enumerate(core_stds(ranks, std)):
+        g = torch.randn(ranks[k], modes[k], ranks[k + 1], generator=generator, dtype=dtype,
+                        device=device)  # (r_{k-1}, n_k, r_k)
+        cores.append(g * s)
+    return cores
+
+
+def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
+    """Contract 3-way cores left to right: returns ``(r_0, prod(modes), r_last)``.
+
+    ``masks[k]`` scales bond ``k`` (between core ``k`` and ``k+1``); ``masks`` may be shorter than
+    ``len(cores) - 1`` only when the caller folds the remaining bonds elsewhere.
+    """
+    z = cores[0]  # (r0, n_1, r_1)
+    r0 = z.shape[0]
+    for k in range(1, len(cores)):
+        if masks is not None and k - 1 < len(masks):
+            z = z * masks[k - 1]  # (r0, P, r_k) scaled along the bond
+        c = cores[k]  # (r_k, n, r')
+        z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[2])  # (r0, P*n, r')
+    if masks is not None and len(masks) >= len(cores):
+        z = z * masks[len(cores) - 1]  # trailing bond mask (used by the left half of a split)
+    return z
+
+
+def tt_to_dense(cores: list[Tensor], masks: list[Tensor] | None, d: int) -> Tensor:
+    """The full weight ``(N_in, N_out)`` of a TT with ``d`` input cores (test oracle; small layers)."""
+    n_in = math.prod(c.shape[1] for c in cores[:d])
+    return chain(cores, masks).reshape(n_in, -1)  # (N_in, N_out)
+
+
+def tt_svd_modes(t: Tensor, modes: list[int], ranks: list[int]) -> list[Tensor]:
+    """TT-SVD of a tensor with ``prod(modes)`` entries into cores ``(r_{k-1}, modes[k], r_k)``.
+
+    Left-to-right sweep: each step keeps the top ``r_k`` singular triplets and pushes ``S V^T``
+    into the remainder, so the result is exact when every ``r_k`` reaches the unfolding rank
+    (in particular at the caps of ``tt_ranks``). Runs in float64 for accuracy.
+    """
+    dtype = t.dtype
+    rest = t.reshape(1, -1).to(torch.float64)  # (r_0, remaining)
+    cores = []
+    for k, n in enumerate(modes[:-1]):
+        mat = rest.reshape(ranks[k] * n, -1)  # (r_{k-1} n_k, remaining)
+        u, s, vh = torch.linalg.svd(mat, full_matrices=False)
+        r = ranks[k + 1]
+        if r > s.shape[0]:
+            raise ValueError(f"rank {r} at bond {k + 1} exceeds the unfolding rank limit {s.shape[0]}")
+        cores.append(u[:, :r].reshape(ranks[k], n, r).to(dtype))  # (r_{k-1}, n_k, r_k)
+        rest = s[:r, None] * vh[:r]  # (r_k, remaining)
+    cores.append(rest.reshape(ranks[-2], modes[-1], 1).to(dtype))
+    return _balance(cores)
+
+
+def tt_svd(W: Tensor, in_modes: list[int], out_modes: list[int], max_rank: int,
+           ranks: list[int] | None = None) -> list[Tensor]:
+    """TT-SVD of ``W (N_in, N_out)``; exact when ``max_rank`` reaches the ``tt_ranks`` caps.
+
+    ``ranks`` (full profile) overrides ``tt_ranks(modes, max_rank)``.
+    """
+    check_modes("in_modes", in_modes, W.shape[0])
+    check_modes("out_modes", out_modes, W.shape[1])
+    modes = list(in_modes) + list(out_modes)
+    return tt_svd_modes(W, modes, tt_ranks(modes, max_rank) if ranks is None else ranks)
+
+
+def _balance(cores: list[Tensor]) -> list[Tensor]:
+    """Spread the norm evenly over the cores (the product is unchanged).
+
+    TT-SVD leaves all of it in the last core; equal core norms give every core a comparable
+    gradient scale when training starts from an SVD.
+    """
+    norms = [c.norm() for c in cores]
+    if any(n == 0 for n in norms):
+        return cores
+    target = math.exp(sum(math.log(float(n)) for n in norms) / len(cores))
+    return [c * (target / float(n)) for c, n in zip(cores, norms)]

@@ -1,0 +1,111 @@
+"""Model size S, per-layer parameter/rank/FLOP accounting and compression ratios.
+
+S (the size objective of the controller) is the number of core parameters counted with
+the SURVIVING ranks: for core k of shape ``(r_{k-1}, modes..., r_k)`` it adds
+``a_{k-1} * prod(modes) * a_k`` where ``a`` are the active ranks (``#(g > tau)``, boundary
+ranks 1). TTM cores count both mode sizes ``m_k * n_k``. Gates are not counted: the
+surviving gate values fold into the cores at export.
+
+Core shapes are read through ``shape_of(param)`` (default ``ds_shape`` when present, else
+``shape``), so the counts hold when ZeRO-3 has partitioned the cores. Active ranks need
+the gate VALUES: under ZeRO-3 call these inside ``GatheredParameters`` over the gates
+(a partitioned gate is an error, never a silent zero).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from comera_dist.compression.walk import tensorized_modules
+
+ShapeOf = Callable[[torch.Tensor], Sequence[int]]
+
+
+def default_shape_of(p: torch.Tensor) -> Sequence[int]:
+    """The full shape of a parameter, also when ZeRO-3 partitioned it (``ds_shape``)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def active_ranks(layer: nn.Module, shape_of: ShapeOf = default_shape_of) -> list[int]:
+    """``#(g > tau)`` per interior bond of ``layer``; errors on a partitioned gate."""
+    for k, g in enumerate(layer.gates):
+        if g.numel() != math.prod(shape_of(g)):
+            raise ValueError(f"active ranks need full gate values but gate {k} holds {g.numel()} of "
+                             f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
+    return [int(r) for r in layer.ranks()]
+
+
+def core_params(core_shapes: Sequence[Sequence[int]], ranks: Sequence[int] | None = None) -> int:
+    """Parameters of a core chain with shapes ``(r_{k-1}, modes..., r_k)``.
+
+    ranks: interior ranks to count with (``len(core_shapes) - 1`` of them, each at most the
+    physical bond size); ``None`` counts the physical shapes.
+    """
+    if ranks is None:
+        return sum(math.prod(s) for s in core_shapes)
+    if len(ranks) != len(core_shapes) - 1:
+        raise ValueError(f"core_params: {len(core_shapes)} cores need {len(core_shapes) - 1} ranks, got {list(ranks)}")
+    bounds = [core_shapes[0][0], *ranks, core_shapes[-1][-1]]
+    for k, (r, s) in enumerate(zip(ranks, core_shapes)):
+        if not 0 <= r <= s[-1]:
+            raise ValueError(f"core_params: rank {k} = {r} outside [0, {s[-1]}] (bond size)")
+    return sum(bounds[k] * math.prod(s[1:-1]) * bounds[k + 1] for k, s in enumerate(core_shapes))
+
+
+def layer_size(layer: nn.Module, shape_of: ShapeOf = default_shape_of) -> int:
+    """Surviving core parameters of one tensorized layer."""
+    shapes = [shape_of(c) for c in layer.cores]
+    return core_params(shapes, active_ranks(layer, shape_of))
+
+
+def model_size(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> int:
+    """S: surviving core parameters over every tensorized layer of ``model``."""
+    return sum(layer_size(layer, shape_of) for _, layer in tensorized_modules(model))
+
+
+def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> dict[str, Any]:
+    """Per-layer and total accounting (plain data, JSON-ready).
+
+    ``layers[name]``: kind, dense_params (the matrix/table it replaces), physical_params
+    (allocated core entries), active_params (surviving ranks), ranks, bond_dims,
+    flops_per_token (active ranks). Totals: ``size`` (= S), ``dense_params_tensorized``,
+    ``leftover_params`` (every parameter that is no core or gate: norms, biases, heads,
+    untensorized layers), ``gate_params``, ``compression_ratio_tensorized`` (dense /
+    active over the tensorized layers) and ``compression_ratio_model`` ((leftover + dense)
+    / (leftover + active): the whole model, dense leftovers included).
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    role_ids: set[int] = set()
+    gate_params = 0
+    for name, layer in tensorized_modules(model):
+        shapes = [tuple(shape_of(c)) for c in layer.cores]
+        ranks = active_ranks(layer, shape_of)
+        role_ids.update(id(p) for p in (*layer.cores, *layer.gates))
+        gate_params += sum(math.prod(shape_of(g)) for g in layer.gates)
+        rows[name] = {
+            "kind": type(layer).__name__,
+            "dense_params": int(layer.dense_param_count()),
+            "physical_params": core_params(shapes),
+            "active_params": core_params(shapes, ranks),
+            "ranks": ranks,
+            "bond_dims": [s[-1] for s in shapes[:-1]],
+            "flops_per_token": int(layer.flops_per_token(active=True)),
+        }
+    leftover = sum(math.prod(shape_of(p)) for p in model.parameters() if id(p) not in role_ids)
+    dense = sum(r["dense_params"] for r in rows.values())
+    size = sum(r["active_params"] for r in rows.values())
+    return {
+        "layers": rows,
+        "size": size,
+        "physical_size": sum(r["physical_params"] for r in rows.values()),
+        "dense_params_tensorized": dense,
+        "leftover_params": leftover,
+        "gate_params": gate_params,
+        "compression_ratio_tensorized": dense / size if size else math.inf,
+        "compression_ratio_model": (leftover + dense) / (leftover + size) if leftover + size else math.inf,
+    }

@@ -1,0 +1,112 @@
+"""Accounting: S with surviving ranks, per-layer report, ratios, paper oracles, ZeRO-3 shapes."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from comera_dist.compression.accounting import compression_report, core_params, model_size
+from comera_dist.layers.embedding import TTEmbedding
+from comera_dist.layers.linear import TTLinear
+
+
+def _kill(gate: nn.Parameter, idx: list[int]) -> None:
+    with torch.no_grad():
+        gate[idx] = 0.0
+
+
+def _small() -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    m = nn.Module()
+    m.emb = TTEmbedding(10, 6, row_modes=[2, 5], col_modes=[3, 2], ranks=[1, 4, 1], generator=g)
+    m.lin = TTLinear(8, 6, in_modes=[2, 4], out_modes=[3, 2], ranks=[1, 2, 3, 2, 1], generator=g)
+    m.norm = nn.LayerNorm(6)
+    return m
+
+
+def test_hand_counted_sizes_shrink_with_dead_gates():
+    m = _small()
+    # TT: 1*2*2 + 2*4*3 + 3*3*2 + 2*2*1 = 50; TTM counts m_k*n_k: 1*(2*3)*4 + 4*(5*2)*1 = 64
+    assert model_size(m) == 50 + 64
+    _kill(m.lin.gates[1], [0])  # bond 1: 3 -> 2 ranks: 4 + 2*4*2 + 2*3*2 + 4 = 36
+    _kill(m.emb.gates[0], [1, 3])  # 4 -> 2 ranks: 6*2 + 2*10 = 32
+    assert model_size(m) == 36 + 32
+    # the layers' own counts (tensor.accounting) agree
+    assert m.lin.param_count(active=True) == 36 and m.emb.param_count(active=True) == 32
+
+
+def test_report_rows_totals_and_ratios():
+    m = _small()
+    _kill(m.lin.gates[1], [0])
+    rep = compression_report(m)
+    lin, emb = rep["layers"]["lin"], rep["layers"]["emb"]
+    assert (lin["kind"], lin["dense_params"], lin["physical_params"], lin["active_params"]) == ("TTLinear", 48, 50, 36)
+    assert (lin["ranks"], lin["bond_dims"]) == ([2, 2, 2], [2, 3, 2])
+    assert (emb["kind"], emb["dense_params"], emb["active_params"], emb["ranks"]) == ("TTEmbedding", 60, 64, [4])
+    assert lin["flops_per_token"] == m.lin.flops_per_token(active=True)
+    assert emb["flops_per_token"] == m.emb.flops_per_token(active=True)
+    # leftovers: LayerNorm (12) + the TT bias (6); gates are reported apart
+    assert (rep["leftover_params"], rep["gate_params"]) == (18, 2 + 3 + 2 + 4)
+    assert rep["size"] == 100 and rep["physical_size"] == 114
+    assert rep["compression_ratio_tensorized"] == pytest.approx(108 / 100)
+    assert rep["compression_ratio_model"] == pytest.approx((18 + 108) / (18 + 100))
+
+
+def test_paper_six_encoder_sizes():
+    """comera-method.md section 6: the exact oracle numbers."""
+    emb = TTEmbedding(30522, 768, row_modes=[16, 20, 10, 10], col_modes=[4, 4, 8, 6], max_rank=32)
+    blocks = nn.ModuleList()
+    for _ in range(6):
+        b = nn.Module()
+        b.qkvo = nn.ModuleList(TTLinear(768, 768, in_modes=[12, 8, 8], out_modes=[8, 8, 12], max_rank=30)
+                               for _ in range(4))
+        b.ffn_in = TTLinear(768, 3072, in_modes=[12, 8, 8], out_modes=[12, 16, 16], max_rank=30)
+        b.ffn_out = TTLinear(3072, 768, in_modes=[16, 16, 12], out_modes=[8, 8, 12], max_rank=30)
+        blocks.append(b)
+    rep = compression_report(blocks)
+    rows = rep["layers"]
+    assert {r["active_params"] for k, r in rows.items() if ".qkvo." in k} == {20448}
+    assert {r["active_params"] for k, r in rows.items() if ".ffn_" in k} == {28960}
+    assert rep["size"] == model_size(blocks) == 838_272
+    assert rep["dense_params_tensorized"] == 42_467_328
+    assert round(rep["compression_ratio_tensorized"], 1) == 50.7
+    assert model_size(emb) == 167_808 and emb.dense_param_count() == 23_440_896
+
+
+def _partition_like_zero3(p: nn.Parameter) -> None:
+    """What ZeRO-3 leaves on a rank: an empty local tensor plus the full shape in ds_shape."""
+    p.ds_shape = p.shape
+    p.data = torch.empty(0, dtype=p.dtype)
+
+
+def test_partitioned_cores_are_counted_from_ds_shape():
+    m = _small()
+    _kill(m.lin.gates[1], [0])
+    expected = compression_report(m)
+    for layer in (m.lin, m.emb):
+        for c in layer.cores:
+            _partition_like_zero3(c)
+    _partition_like_zero3(m.norm.weight)
+    assert model_size(m) == expected["size"]
+    got = compression_report(m)
+    assert got["layers"] == expected["layers"] and got["leftover_params"] == expected["leftover_params"]
+    # an explicit shape_of wins over ds_shape
+    assert model_size(m, shape_of=lambda p: p.ds_shape if hasattr(p, "ds_shape") else p.shape) == expected["size"]
+
+
+def test_partitioned_gate_is_an_error_not_a_zero_rank():
+    m = _small()
+    _partition_like_zero3(m.lin.gates[2])
+    with pytest.raises(ValueError, match=r"gate 2 holds 0 of 2 entries .*gather the gates"):
+        model_size(m)
+
+
+def test_core_params_rejects_bad_ranks():
+    shapes = [(1, 2, 3), (3, 4, 1)]
+    assert core_params(shapes) == 18 and core_params(shapes, [2]) == 12
+    with pytest.raises(ValueError, match=r"rank 0 = 4 outside \[0, 3\]"):
+        core_params(shapes, [4])
+    with pytest.raises(ValueError, match=r"2 cores need 1 ranks, got \[1, 1\]"):
+        core_params(shapes, [1, 1])
+    assert math.isinf(compression_report(nn.Linear(2, 2))["compression_ratio_tensorized"])

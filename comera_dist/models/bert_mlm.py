@@ -1,0 +1,59 @@
+"""BERT-like encoder with a masked-language-model head (the CodeBERT-like model of the paper).
+
+Post-LayerNorm blocks, GELU, learned positions; the head is BERT's
+``dense -> GELU -> LayerNorm -> decoder``. With a dense word table and
+``tie_word_embeddings`` the decoder shares it; with a TT (TTM) table there is no
+table to share, so the decoder is its own dense ``Linear`` (documented, not hidden).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
+from comera_dist.models.config import ModelConfig
+from comera_dist.models.factory import TensorizeSpec
+
+
+class MLMHead(nn.Module):
+    """``decoder(LN(gelu(dense(h))))``: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+        for lin in (self.dense, self.decoder):
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.decoder(self.norm(F.gelu(self.dense(h))))  # (B, T, V)
+
+
+class BertMLM(nn.Module):
+    """Embeddings -> ``num_layers`` post-LN blocks -> MLM head. Labels use -100 for unmasked tokens."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = BertEmbeddings(cfg, spec)
+        self.blocks = nn.ModuleList(PostLNBlock(cfg, spec) for _ in range(cfg.num_layers))
+        self.head = MLMHead(cfg)
+        if cfg.tie_word_embeddings and isinstance(self.embeddings.word, nn.Embedding):
+            self.head.decoder.weight = self.embeddings.word.weight  # (V, C) shared
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> dict[str, Tensor | None]:
+        """input_ids, attention_mask, labels: (B, T). Returns loss (scalar or None), logits (B, T, V)."""
+        keep = check_inputs(self.config, input_ids, attention_mask)
+        x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, keep)  # (B, T, C)
+        logits = self.head(x)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                   ignore_index=-100)
+        return {"loss": loss, "logits": logits}

@@ -1,0 +1,121 @@
+"""Transformer pieces shared by the models: SDPA self-attention, GELU feed-forward, BERT-like embeddings.
+
+Every projection comes from ``factory.make_linear`` (dense or TT per kind) and the
+word table from ``factory.make_embedding``; the layout mirrors HuggingFace BERT/GPT-2
+so that ``models.export`` maps weights one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_dist.models.config import ModelConfig
+from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through ``F.scaled_dot_product_attention``; Q, K, V, out are "attention" kind."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None, *, causal: bool):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.causal, self.dropout = cfg.num_heads, causal, cfg.dropout
+        self.query = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
+        self.key = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
+        self.value = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
+        self.out = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
+
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool, False at padding keys, or None. Returns (B, T, C)."""
+        B, T, C = x.shape
+        h = self.num_heads
+        q = self.query(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        k = self.key(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        v = self.value(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        mask = None
+        if keep is not None:
+            mask = keep[:, None, None, :]  # (B, 1, 1, T) keys a query may see
+            if self.causal:
+                mask = mask & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (B, 1, T, T)
+            # A query always sees itself, so a row of only padding keys gives no NaN (its output is unused).
+            mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # (B, 1, T, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=self.causal and mask is None)  # (B, h, T, C/h)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.out(y)
+
+
+class FeedForward(nn.Module):
+    """``out(gelu(inp(x)))``; ``inp`` is "ffn_in" kind (d -> ffn), ``out`` is "ffn_out" kind (ffn -> d)."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None):
+        super().__init__()
+        self.inp = make_linear(spec, "ffn_in", cfg.hidden_size, cfg.intermediate_size, init_std=cfg.init_std)
+        self.out = make_linear(spec, "ffn_out", cfg.intermediate_size, cfg.hidden_size, init_std=cfg.init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        return self.out(F.gelu(self.inp(x)))  # (B, T, ffn) -> (B, T, C)
+
+
+class BertEmbeddings(nn.Module):
+    """word (dense or TTM) + learned position + token type, then LayerNorm and dropout."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None):
+        super().__init__()
+        self.max_positions = cfg.max_positions
+        self.word = make_embedding(spec, cfg.vocab_size, cfg.hidden_size, init_std=cfg.init_std)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.position.weight, std=cfg.init_std)
+        if self.token_type is not None:
+            nn.init.normal_(self.token_type.weight, std=cfg.init_std)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        """input_ids: (B, T) int64 -> (B, T, C). Token types default to 0 (one segment)."""
+        T = input_ids.shape[1]
+        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        x = self.word(input_ids) + self.position(pos)  # (B, T, C)
+        if self.token_type is not None:
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids  # (B, T)
+            x = x + self.token_type(types)  # (B, T, C)
+        return self.drop(self.norm(x))
+
+
+class PostLNBlock(nn.Module):
+    """BERT encoder block: ``x = LN(x + attn(x)); x = LN(x + ffn(x))`` (post-LayerNorm, GELU)."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None):
+        super().__init__()
+        self.attn = SelfAttention(cfg, spec, causal=False)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn = FeedForward(cfg, spec)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool or None -> (B, T, C)."""
+        x = self.attn_norm(x + self.drop(self.attn(x, keep)))  # (B, T, C)
+        return self.ffn_norm(x + self.drop(self.ffn(x)))  # (B, T, C)
+
+
+def check_inputs(cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+    """Validate ``input_ids`` (B, T) against the config; return the (B, T) bool key mask or None."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] > cfg.max_positions:
+        raise ValueError(f"input_ids has sequence length {input_ids.shape[1]} > model.max_positions "
+                         f"{cfg.max_positions}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+        raise ValueError(f"input_ids holds ids in [{int(input_ids.min())}, {int(input_ids.max())}], outside "
+                         f"the vocabulary [0, {cfg.vocab_size}) of model.vocab_size")
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    return attention_mask.bool()

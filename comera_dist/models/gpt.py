@@ -1,0 +1,68 @@
+"""GPT-like causal decoder: pre-LayerNorm blocks, GELU, learned positions, LM head (GPT-2 layout).
+
+The next-token shift happens inside ``forward``: ``labels`` are the input ids
+(-100 where no loss is wanted), logits at position t predict label t+1.
+The LM head shares a dense word table when ``tie_word_embeddings``; with a TT
+table it is its own dense ``Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
+from comera_dist.models.config import ModelConfig
+from comera_dist.models.factory import TensorizeSpec, make_embedding
+
+
+class PreLNBlock(nn.Module):
+    """``x = x + attn(LN(x)); x = x + ffn(LN(x))`` with causal attention."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = SelfAttention(cfg, spec, causal=True)
+        self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.ffn = FeedForward(cfg, spec)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool or None -> (B, T, C)."""
+        x = x + self.drop(self.attn(self.attn_norm(x), keep))  # (B, T, C)
+        return x + self.drop(self.ffn(self.ffn_norm(x)))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    """word (dense or TTM) + position -> ``num_layers`` pre-LN blocks -> LN -> LM head (no bias)."""
+
+    def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None = None):
+        super().__init__()
+        self.config = cfg
+        self.word = make_embedding(spec, cfg.vocab_size, cfg.hidden_size, init_std=cfg.init_std)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        nn.init.normal_(self.position.weight, std=cfg.init_std)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(PreLNBlock(cfg, spec) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings and isinstance(self.word, nn.Embedding):
+            self.lm_head.weight = self.word.weight  # (V, C) shared
+        else:
+            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> dict[str, Tensor | None]:
+        """input_ids, attention_mask, labels: (B, T). Returns loss (shifted next-token CE), logits (B, T, V)."""
+        keep = check_inputs(self.config, input_ids, attention_mask)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+        x = self.drop(self.word(input_ids) + self.position(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, keep)  # (B, T, C)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V) predicts token t+1
+            loss = F.cross_entropy(shifted.float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+        return {"loss": loss, "logits": logits}

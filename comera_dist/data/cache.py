@@ -11,6 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+import datasets
+
 from comera_dist.data.errors import CacheError
 
 META = "comera_meta.json"
@@ -72,3 +74,14 @@ def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def datasets_progress(show: bool) -> Iterator[None]:
+    """Show or hide ``datasets``' own progress bars (save/load) for the duration, then restore."""
+    was = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()

@@ -55,7 +55,9 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
     if not builder:
         barrier()  # type: ignore[misc]  # wait until rank 0 has published every entry
     try:
-        out = _prepare(cfg, build=builder, show_progress=show_progress and builder)
+        show = show_progress and builder
+        with cache.datasets_progress(show):
+            out = _prepare(cfg, build=builder, show_progress=show)
     finally:
         if builder and barrier is not None:
             barrier()  # release the waiting ranks (also on failure, so they fail fast on the missing entry)

@@ -1,56 +1,67 @@
 """The single point that decides which implementation of each TT op runs.
 
-``auto`` picks Triton for CUDA tensors and the pure-PyTorch reference
-(``comera_dist.tensor.contract``) everywhere else. Tests force a path with
-``use_backend("torch" | "triton")``; users can set ``COMERA_KERNELS``.
+``auto`` picks Triton for CUDA tensors of a dtype the kernels support (fp32, fp16, bf16) and
+the pure-PyTorch reference (``comera_dist.tensor.contract``) everywhere else. Tests force a path
+with ``use_backend("torch" | "triton")``; users can set ``COMERA_KERNELS``. Forcing ``triton``
+on CPU tensors runs the kernels in Triton's interpreter (needs ``TRITON_INTERPRET=1`` before
+triton is imported).
+
+Under ``torch.compile`` the choice is made when a graph is traced: the ``use_backend`` override
+is a module global, which Dynamo guards (changing it re-traces); ``COMERA_KERNELS`` is read at
+trace time only. The override is process-wide, not per thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from typing import Iterator, Literal
 
+import torch
 from torch import Tensor
 
 from comera_dist.tensor import contract
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+TRITON_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("comera_kernels", default=None)
+# Set only by ``use_backend``; a plain global (not a ContextVar) so that torch.compile can trace it.
+_override: str | None = None
 
 
 def _requested() -> str:
-    name = _override.get() or os.environ.get("COMERA_KERNELS", "auto")
+    if _override is not None:
+        return _override
+    name = os.environ.get("COMERA_KERNELS", "auto")
     if name not in BACKENDS:
         raise ValueError(f"COMERA_KERNELS={name!r} is not one of {list(BACKENDS)}")
     return name
 
 
 def resolve_backend(t: Tensor) -> str:
-    """The backend that runs for a tensor on ``t.device``: ``"torch"`` or ``"triton"``."""
+    """The backend that runs for ``t`` (the op's float operand): ``"torch"`` or ``"triton"``."""
     name = _requested()
     if name == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if t.is_cuda and t.dtype in TRITON_DTYPES else "torch"
     return name
 
 
 @contextlib.contextmanager
 def use_backend(name: Backend) -> Iterator[None]:
     """Force a backend inside the block (tests use this to exercise each path)."""
+    global _override
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {list(BACKENDS)}")
-    token = _override.set(name)
+    previous, _override = _override, name
     try:
         yield
     finally:
-        _override.reset(token)
+        _override = previous
 
 
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``(x L) R + bias``; x: (T, N_in), L: (N_in, r), R: (r, N_out) -> (T, N_out)."""
+    """``(x L) R + bias``; x: (..., N_in), L: (N_in, r), R: (r, N_out) -> (..., N_out)."""
     if resolve_backend(x) == "triton":
         from comera_dist.kernels import ops  # imports triton; only on this path
 
@@ -59,7 +70,7 @@ def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Te
 
 
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
-    """Table-free TTM lookup; ids: (T,), A: (M1, N1, r), B: (r, M2, N2) -> (T, N1*N2)."""
+    """Table-free TTM lookup; ids: (...) int64, A: (M1, N1, r), B: (r, M2, N2) -> (..., N1*N2)."""
     if resolve_backend(A) == "triton":
         from comera_dist.kernels import ops
 

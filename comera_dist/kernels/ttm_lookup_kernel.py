@@ -197,6 +197,7 @@ def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor) -> tuple[Ten
     if tuple(dout.shape) != (ids.numel(), N1 * N2) or dout.dtype != A.dtype:
         raise ValueError(f"ttm_lookup backward: grad must be ({ids.numel()}, {N1 * N2}) {A.dtype}, got "
                          f"{tuple(dout.shape)} {dout.dtype}")
+    dout = dout.contiguous()  # the kernels index its columns with unit stride
     dA = torch.zeros_like(A)  # (M1, N1, r); rows no token reads stay zero
     dB = torch.zeros_like(B)  # (r, M2, N2)
     if ids.numel() == 0:

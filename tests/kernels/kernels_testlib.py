@@ -1,0 +1,55 @@
+"""Shared pieces of the kernel tests: random operands, reference-vs-fast comparison, the GPU marker."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (native Triton)")
+
+
+def tt_operands(T: int, n_in: int, n_out: int, rank: int, *, bias: bool, dtype=torch.float32,
+                device="cpu", seed: int = 0) -> list[Tensor | None]:
+    """x (T, N_in), L (N_in, r), R (r, N_out), bias (N_out,) scaled so that y is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, n_in, generator=g)  # (T, N_in)
+    L = torch.randn(n_in, rank, generator=g) / n_in**0.5  # (N_in, r)
+    R = torch.randn(rank, n_out, generator=g) / rank**0.5  # (r, N_out)
+    b = torch.randn(n_out, generator=g) if bias else None  # (N_out,)
+    return [None if t is None else t.to(device=device, dtype=dtype) for t in (x, L, R, b)]
+
+
+def ttm_operands(M1: int, N1: int, rank: int, M2: int, N2: int, *, dtype=torch.float32, device="cpu",
+                 seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A (M1, N1, r), B (r, M2, N2) scaled so that the rows are O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(M1, N1, rank, generator=g) / rank**0.25  # (M1, N1, r)
+    B = torch.randn(rank, M2, N2, generator=g) / rank**0.25  # (r, M2, N2)
+    return A.to(device=device, dtype=dtype), B.to(device=device, dtype=dtype)
+
+
+def compare_with_reference(fast: Callable[..., Tensor], ref: Callable[..., Tensor], args: list,
+                           *, rtol: float, atol: float, grad_seed: int = 1) -> None:
+    """Forward outputs and the gradients of every floating input agree between ``fast`` and ``ref``.
+
+    Non-float args (ids) and None pass through unchanged; the same random upstream gradient
+    is used for both so the comparison covers the full vector-Jacobian product.
+    """
+    def leaves() -> list:
+        return [a.detach().clone().requires_grad_(True) if isinstance(a, Tensor) and a.is_floating_point()
+                else a for a in args]
+
+    fast_args, ref_args = leaves(), leaves()
+    y_fast, y_ref = fast(*fast_args), ref(*ref_args)
+    torch.testing.assert_close(y_fast, y_ref, rtol=rtol, atol=atol)
+    g = torch.Generator().manual_seed(grad_seed)
+    dy = torch.randn(y_ref.shape, generator=g).to(y_ref)
+    y_fast.backward(dy)
+    y_ref.backward(dy)
+    for i, (a, b) in enumerate(zip(fast_args, ref_args)):
+        if isinstance(a, Tensor) and a.requires_grad:
+            assert a.grad is not None, f"no gradient for argument {i}"
+            torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of arg {i}: {m}")

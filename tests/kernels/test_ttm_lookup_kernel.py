@@ -1,0 +1,102 @@
+"""The fused, deduplicated TTM lookup kernels against ``ttm_lookup_pairs``, forward and backward.
+
+Duplicated ids matter twice: the forward computes each distinct row once and writes it to every
+position, and the backward must sum the gradients of all those positions before the segment
+reductions into A (grouped by i1 = id // M2) and B (grouped by i2 = id % M2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernels_testlib import compare_with_reference, needs_cuda, ttm_operands
+
+from comera_dist.kernels import ops, ttm_lookup_kernel
+from comera_dist.tensor.contract import ttm_lookup_pairs
+
+
+def _ids(T: int, n_rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, n_rows, (T,), generator=g)  # (T,)
+    ids[: T // 3] = ids[0]  # a third of the tokens share one id
+    return ids
+
+
+# (M1, N1, r, M2, N2, T): r, N1, N2 not powers of two and below 16 (padded), r = 30 and 32,
+# more tokens than rows (every id repeats), ids touching the first and last rows.
+SHAPES = [
+    (5, 3, 4, 7, 5, 23),
+    (4, 16, 32, 4, 16, 10),
+    (6, 4, 30, 5, 6, 40),
+    (3, 17, 7, 2, 9, 25),
+]
+
+
+@pytest.mark.parametrize("M1,N1,rank,M2,N2,T", SHAPES)
+def test_matches_reference_fp32(M1, N1, rank, M2, N2, T):
+    A, B = ttm_operands(M1, N1, rank, M2, N2)
+    ids = _ids(T, M1 * M2, seed=T)
+    ids[-1], ids[-2] = 0, M1 * M2 - 1
+    compare_with_reference(ops.ttm_lookup, ttm_lookup_pairs, [ids, A, B], rtol=1e-4, atol=1e-4)
+
+
+def test_all_tokens_one_id_and_all_ids_distinct():
+    A, B = ttm_operands(4, 5, 6, 3, 7)
+    for ids in (torch.full((9,), 7), torch.randperm(12)):
+        compare_with_reference(ops.ttm_lookup, ttm_lookup_pairs, [ids, A, B], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_no_token_reads_get_zero_gradient():
+    A, B = ttm_operands(4, 5, 6, 3, 7)
+    ids = torch.tensor([0, 4, 4])  # rows (0, 0) and (1, 1): A[2:], B[:, 2] are never read
+    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.randn(3, 35), ids, A, B)
+    assert not dA[2:].any() and not dB[:, 2].any()
+    assert dA[:2].abs().min() > 0
+
+
+def test_batched_ids_and_int32():
+    A, B = ttm_operands(5, 3, 4, 7, 5)
+    ids = _ids(24, 35, seed=3).reshape(4, 6)  # (batch, seq)
+    torch.testing.assert_close(ops.ttm_lookup(ids, A, B), ttm_lookup_pairs(ids, A, B))
+    assert ops.ttm_lookup(ids, A, B).shape == (4, 6, 15)
+    torch.testing.assert_close(ttm_lookup_kernel.ttm_lookup_fwd(ids.reshape(-1).int(), A, B),
+                               ttm_lookup_pairs(ids.reshape(-1), A, B))
+
+
+def test_strided_factors():
+    A, B = ttm_operands(5, 3, 4, 7, 5)
+    At = A.permute(2, 1, 0).contiguous().permute(2, 1, 0)  # same values, other strides
+    Bt = B.transpose(0, 2).contiguous().transpose(0, 2)
+    ids = _ids(15, 35, seed=4)
+    compare_with_reference(ops.ttm_lookup, ttm_lookup_pairs, [ids, At, Bt], rtol=1e-4, atol=1e-4)
+
+
+def test_empty_ids():
+    A, B = ttm_operands(5, 3, 4, 7, 5)
+    ids = torch.empty(0, dtype=torch.int64)
+    assert ttm_lookup_kernel.ttm_lookup_fwd(ids, A, B).shape == (0, 15)
+    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.empty(0, 15), ids, A, B)
+    assert not dA.any() and not dB.any()
+
+
+@pytest.mark.parametrize("ids,A_shape,B_shape,match", [
+    (torch.tensor([0, 35]), (5, 3, 4), (4, 7, 5), r"ids must lie in \[0, 35\).*\[0, 35\]"),
+    (torch.tensor([-1, 2]), (5, 3, 4), (4, 7, 5), r"ids must lie in \[0, 35\)"),
+    (torch.tensor([0.0]), (5, 3, 4), (4, 7, 5), r"ids must be a 1-D int64/int32 tensor, got torch.float32"),
+    (torch.tensor([0]), (5, 3, 4), (3, 7, 5), r"A \(M1, N1, r\) and B \(r, M2, N2\), got A\(5, 3, 4\) B\(3, 7, 5\)"),
+])
+def test_bad_input_raises_naming_it(ids, A_shape, B_shape, match):
+    with pytest.raises(ValueError, match=match):
+        ttm_lookup_kernel.ttm_lookup_fwd(ids, torch.randn(A_shape), torch.randn(B_shape))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("M1,N1,rank,M2,N2,T", [(320, 16, 32, 100, 48, 8192), (7, 5, 30, 11, 3, 500)])
+def test_gpu_matches_reference(M1, N1, rank, M2, N2, T, dtype, tol):
+    A, B = ttm_operands(M1, N1, rank, M2, N2, dtype=dtype, device="cuda")
+    ids = _ids(T, M1 * M2, seed=5).cuda()
+    compare_with_reference(ops.ttm_lookup,
+                           lambda i, a, b: ttm_lookup_pairs(i, a.float(), b.float()).to(dtype),
+                           [ids, A, B], rtol=tol, atol=tol)

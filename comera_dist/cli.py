@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _world_size(arg: int | None) -> int:
     if arg is not None:
         if arg < 1:
-            raise ValueError(f"--world-size must be >= 1, got {arg}")
+            from comera_dist.engine.errors import InputError
+
+            raise InputError(f"--world-size must be >= 1, got {arg}")
         return arg
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -90,15 +92,17 @@ def pretrain(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"train.resume={args.resume}")
-    cfg = load_run_config(args.config, overrides)
     if args.dry_run:
         from comera_dist.engine.summary import format_summary, run_summary
 
-        summary = run_summary(cfg, world_size=_world_size(args.world_size))
+        world_size = _world_size(args.world_size)
+        cfg = load_run_config(args.config, overrides, world_size=world_size)
+        summary = run_summary(cfg, world_size=world_size)
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
         return 0
     from comera_dist.engine.trainer import train
 
+    cfg = load_run_config(args.config, overrides)  # the world size is checked once ranks are known
     return train(cfg, resume=cfg.train.resume)
 
 

@@ -1,0 +1,190 @@
+"""The training job: ``train(cfg, resume=...)`` wires data, model, DeepSpeed session and metrics.
+
+The loop only calls components. Its contract with the outside world:
+
+* exit 0 after ``train.steps`` steps, or after a SIGUSR1/SIGTERM (checkpoint at the next step
+  boundary first, so a Slurm requeue resumes where it stopped);
+* exit ``EXIT_NONFINITE`` (3) after ``train.max_nonfinite_steps`` consecutive non-finite steps,
+  with a checkpoint of the last good state (skipped steps never touch the weights);
+* ``resume="auto"`` continues from the latest complete checkpoint under ``train.output_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as tdist
+
+from comera_dist.config import RunConfig, check_world_size
+from comera_dist.engine.checkpoint import CheckpointError
+from comera_dist.engine.distributed import DistInfo, init_distributed
+from comera_dist.engine.errors import InputError
+from comera_dist.engine.faults import NonFiniteInjector
+from comera_dist.engine.run_data import RunData, build_run_data
+from comera_dist.engine.session import TrainSession
+from comera_dist.engine.signals import StopRequest
+from comera_dist.metrics import Metrics, build_metrics
+from comera_dist.models import build_model
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_NONFINITE = 3
+
+
+@dataclass(slots=True)
+class NonFiniteGuard:
+    """Counts skipped non-finite steps; ``tripped`` after ``limit`` consecutive ones."""
+
+    limit: int
+    consecutive: int = 0
+    total: int = 0
+
+    def update(self, skipped: bool) -> None:
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        self.total += int(skipped)
+
+    @property
+    def tripped(self) -> bool:
+        return self.consecutive >= self.limit
+
+
+def _model_factory(cfg: RunConfig):
+    tensorize = cfg.comera.tensorize if cfg.comera.enabled else None
+    return lambda: build_model(cfg.model, tensorize)
+
+
+def _gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` (the per-rank data position rides in the checkpoint as a list)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFiniteGuard,
+                metrics: Metrics, info: DistInfo, reason: str) -> None:
+    """Save on every rank (a collective): data positions of all ranks, the step, counters."""
+    client = {"step": step, "data_states": _gather_objects(data.train.state_dict(), info.world_size),
+              "nonfinite_steps_total": guard.total, "reason": reason}
+    try:
+        session.save(step, client)
+    except Exception:
+        metrics.checkpoint_saved(False, step)
+        raise
+    metrics.checkpoint_saved(True, step)
+
+
+def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str, info: DistInfo) -> int:
+    """Load ``spec`` (auto|none|path) into the session and the data loader; the step to start after."""
+    try:
+        client = session.resume(spec)
+    except CheckpointError as e:
+        raise InputError(str(e).replace("\n", " ")) from e
+    if client is None:
+        return 0
+    states = client["data_states"]
+    if len(states) != info.world_size:
+        raise InputError(f"checkpoint was written by {len(states)} ranks, this job has {info.world_size}; "
+                         "convert it with DeepSpeed's universal checkpoint to change the world size")
+    data.train.load_state_dict(states[info.rank])
+    guard.total = client.get("nonfinite_steps_total", 0)
+    log.info("resumed at step %d", client["step"])
+    return int(client["step"])
+
+
+def _step_metrics(out: Any, step_time: float, tokens: int, guard: NonFiniteGuard) -> dict[str, float]:
+    return {"train_loss": float(out.task_loss), "objective": float(out.loss), "rank_penalty": float(out.penalty),
+            "lambda": float(out.lam), "stage": 0.0 if out.stage == "early" else 1.0,
+            "learning_rate": float(out.lr), "grad_norm": float(out.grad_norm),
+            "step_time_seconds": step_time, "tokens_per_second": tokens / max(step_time, 1e-9),
+            "nonfinite_steps_total": float(guard.total)}
+
+
+def _compression_metrics(session: TrainSession) -> dict[str, float]:
+    report = session.compression_report()
+    return {"compression_ratio": float(report["compression_ratio_model"]),
+            "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
+            "model_params": float(report["leftover_params"] + report["size"])}
+
+
+def _format(values: dict[str, float]) -> str:
+    keys = ("train_loss", "val_loss", "val_accuracy", "compression_ratio", "stage", "lambda", "tokens_per_second")
+    return " ".join(f"{k} {values[k]:.4g}" for k in keys if k in values)
+
+
+def _setup_logging(info: DistInfo) -> None:
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format=f"%(asctime)s [rank {info.rank}] %(levelname)s %(name)s: %(message)s")
+    log.info("rank %d/%d up (local rank %d, %s discovery)", info.rank, info.world_size, info.local_rank,
+             info.source)
+
+
+def train(cfg: RunConfig, *, resume: str = "auto") -> int:
+    """Run the job described by ``cfg`` in this process (one rank); returns the exit status."""
+    info = init_distributed(cfg.train.process_group_timeout_s)
+    _setup_logging(info)
+    check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
+    data = build_run_data(cfg, info)  # rank 0 builds corpus + tokenizer, the others wait; checks compat
+    session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
+    faults = NonFiniteInjector(info.rank)
+    faults.attach(session.module)
+    guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
+    start = _restore(session, data, guard, resume, info)
+    if info.rank == 0:
+        data.save_tokenizer(Path(cfg.train.output_dir) / "tokenizer")
+    metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,
+                            world_size=info.world_size, total_steps=cfg.train.steps,
+                            output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name)
+    stop = StopRequest()
+    status, step = EXIT_OK, start
+    try:
+        metrics.log(_compression_metrics(session), step)
+        for step in range(start + 1, cfg.train.steps + 1):
+            faults.arm(step)
+            t0 = time.perf_counter()
+            out = session.train_step(data.next_train_batches())
+            faults.arm(step, training=False)
+            guard.update(out.skipped_nonfinite)
+            values = _step_metrics(out, time.perf_counter() - t0, data.tokens_per_step, guard)
+            if out.skipped_nonfinite and info.rank == 0:
+                log.warning("step %d: non-finite loss, step skipped (%d in a row, %d in total)",
+                            step, guard.consecutive, guard.total)
+            if session.maybe_prune(step):
+                faults.attach(session.module)  # the rebuilt engine holds a new module
+                metrics.log_ranks(session.ranks(), step)
+                values.update(_compression_metrics(session))
+            elif step % cfg.train.log_every == 0:
+                values.update(_compression_metrics(session))
+                metrics.log_ranks(session.ranks(), step)
+            if _due(step, cfg.train.eval_every, cfg.train.steps):
+                values["val_loss"], values["val_accuracy"] = session.evaluate(data.validation_batches())
+            metrics.log(values, step)
+            if info.rank == 0 and (step % cfg.train.log_every == 0 or "val_loss" in values):
+                log.info("step %d/%d %s", step, cfg.train.steps, _format(values))
+            if guard.tripped:
+                log.error("stopping: %d consecutive non-finite steps; checkpointing the last good state",
+                          guard.consecutive)
+                _checkpoint(session, data, step, guard, metrics, info, reason="nonfinite")
+                status = EXIT_NONFINITE
+                break
+            if stop.agree():
+                log.warning("stop requested (%s): checkpointing at step %d", stop.signal_name or "peer", step)
+                _checkpoint(session, data, step, guard, metrics, info, reason="signal")
+                break
+            if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
+                _checkpoint(session, data, step, guard, metrics, info, reason="schedule")
+    finally:
+        stop.close()
+        metrics.close()
+    return status
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    """True at multiples of ``every`` (0 = never) and at the last step."""
+    return step == last or (every > 0 and step % every == 0)

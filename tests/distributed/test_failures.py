@@ -1,0 +1,81 @@
+"""Failure handling of real 2-rank jobs (torchrun, CPU):
+
+* non-finite losses (injected through the documented COMERA_FAULT_* hook, on rank 0 only) are
+  skipped on every rank, counted and logged; K consecutive ones stop the run with exit 3 and a
+  checkpoint whose weights are the last good ones;
+* SIGUSR1 to one rank (Slurm's preemption warning) checkpoints at the next step boundary on every
+  rank, exits 0, and ``--resume auto`` continues from that step.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+import torch
+
+from test_launchers import checkpoint_tags, free_port, job_env, jobs, rank_processes, run_overrides  # noqa: F401
+
+
+def _model_states(tag_dir) -> dict:
+    files = sorted(tag_dir.rglob("mp_rank_00_model_states.pt"))
+    assert files, f"no model states under {tag_dir}"
+    return torch.load(files[0], map_location="cpu", weights_only=False)
+
+
+@pytest.mark.distributed
+def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
+    out = tmp_path / "run"
+    # Step 2 alone, then 4, 5, 6 in a row: K = 3 trips at step 6. Pruning off so that the
+    # checkpoint at step 3 and the stop checkpoint at step 6 hold comparable tensors.
+    env = job_env(port, COMERA_FAULT_NONFINITE_STEPS="2,4-6", COMERA_FAULT_RANKS="0")
+    args = run_overrides(out, "train.steps=10", "train.checkpoint_every=3", "train.max_nonfinite_steps=3",
+                         "train.keep_checkpoints=5", "comera.pruning.every=0")
+    job = jobs("torchrun", args, env, tmp_path / "job.log")
+    rc = job.wait(timeout=240)
+    log = job.text()
+    assert rc == 3, f"expected exit 3 (non-finite stop), got {rc}:\n{log[-4000:]}"
+    assert "step 2: non-finite loss, step skipped (1 in a row, 1 in total)" in log, log[-4000:]
+    assert "step 6: non-finite loss, step skipped (3 in a row, 4 in total)" in log, log[-4000:]
+    assert "stopping: 3 consecutive non-finite steps" in log
+    assert "step 7/" not in log  # it stopped
+    tags = checkpoint_tags(out)
+    step3 = [t for t in tags if re.search(r"0*3$", t)]
+    step6 = [t for t in tags if re.search(r"0*6$", t)]
+    assert step3 and step6, tags
+    before = _model_states(out / "checkpoints" / step3[0])
+    after = _model_states(out / "checkpoints" / step6[0])
+    # Steps 4-6 were skipped on both ranks (the poison was on rank 0 only): the weights at the stop
+    # are bitwise the weights after step 3, the last good step.
+    assert before["module"].keys() == after["module"].keys()
+    for name, t in before["module"].items():
+        assert torch.equal(t, after["module"][name]), name
+
+
+@pytest.mark.distributed
+def test_sigusr1_checkpoints_exits_zero_and_resumes(jobs, tmp_path, port):
+    out = tmp_path / "run"
+    args = run_overrides(out, "train.steps=200", "train.checkpoint_every=0", "train.log_every=1",
+                         "comera.pruning.every=0")
+    job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
+    job.wait_for(r"step 3/200", timeout=180)
+    rank_processes(job)[1].send_signal(signal.SIGUSR1)  # one rank only: the others must agree
+    rc = job.wait(timeout=90)
+    log = job.text()
+    assert rc == 0, log[-4000:]
+    stopped = re.search(r"stop requested \((SIGUSR1|peer)\): checkpointing at step (\d+)", log)
+    assert stopped, log[-4000:]
+    step = int(stopped.group(2))
+    assert 3 <= step < 200
+    assert f"step {step + 1}/200" not in log
+
+    # The requeued job: --resume auto continues after the saved step and finishes.
+    resumed = jobs("torchrun", [*run_overrides(out, f"train.steps={step + 2}", "comera.pruning.every=0",
+                                               "train.log_every=1"), "--resume", "auto"],
+                   job_env(free_port()), tmp_path / "resume.log")
+    rc = resumed.wait(timeout=180)
+    log2 = resumed.text()
+    assert rc == 0, log2[-4000:]
+    assert f"resumed at step {step}" in log2, log2[-4000:]
+    assert f"step {step + 1}/{step + 2}" in log2 and f"step {step}/" not in log2

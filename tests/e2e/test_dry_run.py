@@ -1,0 +1,89 @@
+"""``comera pretrain --dry-run [--json]``: the paper's six-encoder sizes, the resolved DeepSpeed JSON,
+``--help`` coverage, and config errors as one stderr line with exit status 2 (all in-process, fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from comera_dist import cli
+
+
+def _dry_run(capsys, *args: str) -> dict:
+    rc = cli.main(["pretrain", "--config", "configs/six-encoder.yaml", "--dry-run", "--json", *args])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_six_encoder_dry_run_sizes(capsys):
+    s = _dry_run(capsys, "--world-size", "8")
+    kinds = s["tt_params_by_kind"]
+    # comera-method.md section 6: TTM embedding [16,20,10,10]x[4,4,8,6] at rank 32; Q/K/V/out
+    # [12,8,8]x[8,8,12] and the FFNs at rank 30 (ranks capped by the mode products).
+    assert kinds["embedding"]["active_params_each"] == [167_808]
+    assert kinds["embedding"]["dense_params"] == 30522 * 768
+    assert kinds["attention"]["count"] == 24 and set(kinds["attention"]["active_params_each"]) == {20_448}
+    assert kinds["ffn_in"]["count"] == 6 and set(kinds["ffn_in"]["active_params_each"]) == {28_960}
+    assert kinds["ffn_out"]["count"] == 6 and set(kinds["ffn_out"]["active_params_each"]) == {28_960}
+    assert s["encoder_tt_params"] == 838_272
+    assert s["encoder_dense_params"] == 42_467_328
+    ratio = s["encoder_dense_params"] / s["encoder_tt_params"]
+    assert round(ratio, 1) == 50.7
+    assert s["compression"]["ratio_model"] > 40
+    assert s["flops_per_token"]["forward"] < s["flops_per_token"]["forward_dense"] / 10
+
+
+def test_dry_run_resolves_deepspeed_for_world_size(capsys):
+    s = _dry_run(capsys, "--world-size", "8")
+    ds = s["deepspeed"]
+    assert ds["train_batch_size"] == 256 and ds["train_micro_batch_size_per_gpu"] == 32
+    assert ds["gradient_accumulation_steps"] == 1
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["params"]["torch_adam"] is True
+    # Same config on 2 ranks: the accumulation absorbs the difference.
+    assert _dry_run(capsys, "--world-size", "2")["deepspeed"]["gradient_accumulation_steps"] == 4
+    assert s["config"]["comera"]["tensorize"]["max_rank"] == 30
+
+
+def test_dry_run_human_readable(capsys):
+    rc = cli.main(["pretrain", "--config", "configs/six-encoder.yaml", "--dry-run", "--world-size", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "encoder TT params 838,272 vs dense 42,467,328" in out
+    assert '"train_batch_size": 256' in out
+
+
+@pytest.mark.parametrize("args", [["pretrain"], ["evaluate"], ["export"]])
+def test_help_explains_every_option(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[args[0]]
+    for action in sub._actions:
+        assert action.help, f"{args[0]} option {action.option_strings} has no help text"
+        for opt in action.option_strings:
+            assert opt in out
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--config", "configs/no-such.yaml"], "config file not found: configs/no-such.yaml"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.steps=many"], "train.steps"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "data.seq_len=4096"], "data.seq_len=4096"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "comera.tensorize.modes.attention=[[4,4],[4,4]]"],
+     "comera.tensorize.modes.attention"),
+    (["--config", "configs/tiny-cpu.yaml", "--world-size", "3", "--set", "deepspeed.train_batch_size=8"],
+     "train_batch_size"),
+])
+def test_bad_config_is_one_line_exit_2(args, needle, capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    rc = cli.main(["pretrain", *args, "--set", f"train.output_dir={out_dir}", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT
+    assert needle in err
+    assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
+    assert not out_dir.exists()

@@ -1,0 +1,125 @@
+"""PackedLoader: exact resume, disjoint per-rank shards, epoch reshuffles, eval shards."""
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from comera_dist.data import DataError, PackedLoader, causal_collator, eval_batches
+
+L = 8
+
+
+def _dataset(n):
+    """Block ``i`` is ``[i, i, ...]`` so a batch tells which blocks it holds."""
+    flat = np.repeat(np.arange(n, dtype=np.int32), L)
+    return datasets.Dataset(pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(flat), L)}))
+
+
+def _noisy_collator(ids, gen):
+    """Identity plus generator noise, so the per-(seed, step, rank) seeding is checked too."""
+    return {"input_ids": ids, "noise": torch.rand(ids.shape[0], generator=gen)}
+
+
+def _block_ids(batch):
+    return batch["input_ids"][:, 0].tolist()
+
+
+def _loader(ds, rank=0, world=1, bs=4, seed=3, **kw):
+    return PackedLoader(ds, batch_size=bs, rank=rank, world_size=world, seed=seed, collator=_noisy_collator, **kw)
+
+
+@pytest.mark.parametrize("n_first", [3, 7, 12])  # mid-epoch, on the epoch boundary (7 per epoch), next epoch
+def test_resume_continues_with_the_exact_next_batch(n_first):
+    ds, m = _dataset(30), 9
+    straight = _loader(ds, rank=1, world=2, bs=2)
+    expected = [next(straight) for _ in range(n_first + m)][n_first:]
+    first = _loader(ds, rank=1, world=2, bs=2)
+    for _ in range(n_first):
+        next(first)
+    state = first.state_dict()
+    assert all(isinstance(v, int) for v in state.values())
+    resumed = _loader(ds, rank=1, world=2, bs=2)
+    resumed.load_state_dict(state)
+    got = [next(resumed) for _ in range(m)]
+    for e, g in zip(expected, got):
+        assert torch.equal(e["input_ids"], g["input_ids"]) and torch.equal(e["noise"], g["noise"])
+
+
+def test_ranks_get_disjoint_equal_shards_covering_the_epoch():
+    ds, world, bs = _dataset(50), 3, 4
+    loaders = [_loader(ds, rank=r, world=world, bs=bs) for r in range(world)]
+    per_epoch = loaders[0].batches_per_epoch
+    assert per_epoch == 50 // (world * bs) == 4
+    seen = [[i for _ in range(per_epoch) for i in _block_ids(next(ld))] for ld in loaders]
+    flat = [i for s in seen for i in s]
+    assert len(flat) == len(set(flat)) == per_epoch * world * bs  # disjoint across ranks
+    assert all(len(s) == per_epoch * bs for s in seen)
+    # the next batch starts epoch 1: a new order over all blocks
+    assert {ld.epoch for ld in loaders} == {0} and next(loaders[0]) and loaders[0].epoch == 1
+
+
+def test_epochs_reshuffle_and_seed_matters():
+    ds = _dataset(16)
+    ld = _loader(ds, bs=16)
+    e0, e1 = _block_ids(next(ld)), _block_ids(next(ld))
+    assert sorted(e0) == sorted(e1) == list(range(16)) and e0 != e1
+    assert _block_ids(next(_loader(ds, bs=16))) == e0
+    assert _block_ids(next(_loader(ds, bs=16, seed=4))) != e0
+
+
+def test_resume_on_another_world_size_continues_with_the_unseen_blocks():
+    ds = _dataset(40)
+    two = [_loader(ds, rank=r, world=2, bs=2) for r in range(2)]
+    for _ in range(3):
+        for ld in two:
+            next(ld)
+    next_two = sorted(i for ld in two for i in _block_ids(next(ld)))
+    one = _loader(ds, world=1, bs=4)
+    state = two[0].state_dict()
+    state["position"] -= 4  # the state as saved before that last global batch
+    state["step"] -= 1
+    one.load_state_dict(state)
+    assert sorted(_block_ids(next(one))) == next_two
+
+
+def test_drop_last_false_wraps_so_ranks_stay_in_step():
+    ds = _dataset(10)
+    loaders = [_loader(ds, rank=r, world=2, bs=2, drop_last=False) for r in range(2)]
+    assert loaders[0].batches_per_epoch == 3
+    seen = [i for _ in range(3) for ld in loaders for i in _block_ids(next(ld))]
+    assert set(seen) == set(range(10)) and len(seen) == 12  # two blocks of the epoch's start repeat
+    assert loaders[0].epoch == 0 and next(loaders[0]) and loaders[0].epoch == 1
+
+
+def test_bad_arguments_and_mismatched_state():
+    ds = _dataset(10)
+    with pytest.raises(DataError, match=r"rank=2 not in \[0, world_size=2\)"):
+        _loader(ds, rank=2, world=2)
+    with pytest.raises(DataError, match="batch_size must be >= 1, got 0"):
+        _loader(ds, bs=0)
+    with pytest.raises(DataError, match="10 blocks, fewer than one global batch"):
+        _loader(ds, world=3, bs=4)
+    state = _loader(_dataset(12)).state_dict()
+    with pytest.raises(DataError, match="saved over 12 blocks, this dataset has 10"):
+        _loader(ds).load_state_dict(state)
+    with pytest.raises(DataError, match="loader state has seed 3, this loader 9"):
+        _loader(_dataset(12), seed=9).load_state_dict(state)
+    with pytest.raises(DataError, match=r"loader state lacks \['num_blocks', 'position', 'seed', 'step'\]"):
+        _loader(ds).load_state_dict({"epoch": 0})
+
+
+def test_eval_batches_shard_equally_and_repeat_masks():
+    ds = _dataset(23)
+    shards = [list(eval_batches(ds, batch_size=3, rank=r, world_size=2, seed=5, collator=_noisy_collator))
+              for r in range(2)]
+    assert len(shards[0]) == len(shards[1]) == 4  # 11 blocks per rank: 3+3+3+2
+    ids = [[i for b in s for i in _block_ids(b)] for s in shards]
+    assert ids == [list(range(11)), list(range(11, 22))]
+    again = list(eval_batches(ds, batch_size=3, rank=0, world_size=2, seed=5, collator=_noisy_collator))
+    assert all(torch.equal(a["noise"], b["noise"]) for a, b in zip(shards[0], again))
+    capped = eval_batches(ds, batch_size=3, rank=0, world_size=1, seed=5, collator=causal_collator(), max_batches=2)
+    assert [b["labels"].shape for b in capped] == [(3, L), (3, L)]
+    with pytest.raises(DataError, match="eval_batches: the evaluation set has 2 blocks, fewer than world_size=4"):
+        next(eval_batches(_dataset(2), batch_size=1, rank=0, world_size=4, seed=0, collator=_noisy_collator))

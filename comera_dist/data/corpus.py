@@ -15,6 +15,8 @@ from comera_dist.data.config import DataConfig
 from comera_dist.data.errors import DataError
 
 log = logging.getLogger(__name__)
+TEXT_FEATURES = datasets.Features(text=datasets.Value("string"))
+"""The schema every corpus split has (the stdlib adds ``path``)."""
 
 
 def corpus_plan(cfg: DataConfig) -> tuple[str, dict[str, Any]]:
@@ -122,6 +124,8 @@ def _materialize(cfg: DataConfig, plan: dict[str, Any], cache_root: Path,
         root = Path(plan["root"])
 
         def load(rel: list[str]) -> datasets.Dataset:
+            if not rel:  # a split with no file; reported by _check_nonempty with the fix
+                return datasets.Dataset.from_dict({"text": []}, features=TEXT_FEATURES)
             return sources.load_files([root / r for r in rel], builder=plan["builder"],
                                       text_column=cfg.text_column, sample_by=cfg.sample_by,
                                       cache_dir=hf_cache, num_proc=cfg.num_proc)
@@ -144,8 +148,7 @@ def _read_python(root: Path, rel: list[str], split: str, show_progress: bool) ->
         log.info("corpus: %d %s file(s) were not valid in their encoding; bad bytes became U+FFFD",
                  replaced, split)
     ds = datasets.Dataset.from_dict({"text": texts, "path": rel},
-                                    features=datasets.Features(text=datasets.Value("string"),
-                                                               path=datasets.Value("string")))
+                                    features=datasets.Features(path=datasets.Value("string"), **TEXT_FEATURES))
     return sources.drop_blank(ds)
 
 

@@ -1,0 +1,155 @@
+"""Corpus building: files/hf sources, splits, content-keyed cache, atomic publish, damaged entries."""
+
+import json
+import os
+
+import datasets
+import pytest
+
+from comera_dist.data import CacheError, DataConfig, DataError, build_corpus
+from comera_dist.data import corpus as corpus_mod
+
+
+def _files(tmp_path, n=12):
+    d = tmp_path / "docs"
+    d.mkdir()
+    for i in range(n):
+        (d / f"doc{i:02d}.txt").write_text(f"document {i}\nline two of {i}\n")
+    return d
+
+
+def _cfg(tmp_path, **kw):
+    kw.setdefault("cache_dir", str(tmp_path / "cache"))
+    kw.setdefault("validation_fraction", 0.25)
+    return DataConfig(**kw)
+
+
+def _texts(dd):
+    return list(dd["train"]["text"]) + list(dd["validation"]["text"])
+
+
+def _entries(root, kind="corpus"):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(kind)) if root.exists() else []
+
+
+def test_text_files_split_by_file_hash(tmp_path):
+    d = _files(tmp_path)
+    dd = build_corpus(_cfg(tmp_path, source="files", files=[str(d)]), tmp_path / "cache", show_progress=False)
+    train, val = set(dd["train"]["text"]), set(dd["validation"]["text"])
+    assert train.isdisjoint(val) and len(train) + len(val) == 12 and val  # one document per file
+    assert dd.column_names == {"train": ["text"], "validation": ["text"]}
+
+
+def test_json_and_parquet_with_a_text_column(tmp_path):
+    rows = [{"content": f"row number {i} " * 3, "id": i} for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
+    for name in ("a.jsonl", "a.parquet"):
+        cfg = _cfg(tmp_path, source="files", files=[str(tmp_path / name)], text_column="content")
+        dd = build_corpus(cfg, tmp_path / "cache", show_progress=False)
+        # one file: split by document hash
+        assert len(dd["train"]) + len(dd["validation"]) == 40 and len(dd["validation"]) > 0
+        assert set(dd["train"]["text"]).isdisjoint(dd["validation"]["text"])
+    bad = _cfg(tmp_path, source="files", files=[str(tmp_path / "a.jsonl")], text_column="body")
+    with pytest.raises(DataError, match=r"data.text_column 'body' is not a column of .*columns: \['content', 'id'\]"):
+        build_corpus(bad, tmp_path / "cache")
+    num = _cfg(tmp_path, source="files", files=[str(tmp_path / "a.jsonl")], text_column="id")
+    with pytest.raises(DataError, match="data.text_column 'id' .* not strings"):
+        build_corpus(num, tmp_path / "cache")
+
+
+def test_non_utf8_text_files_are_replaced_not_fatal(tmp_path):
+    d = _files(tmp_path, 6)
+    (d / "latin.txt").write_bytes(b"caf\xe9 au lait\n")
+    dd = build_corpus(_cfg(tmp_path, source="files", files=[str(d)], split_by="document"), tmp_path / "cache",
+                      show_progress=False)
+    assert "caf\ufffd au lait\n" in _texts(dd)
+
+
+def test_hf_source_takes_load_dataset_kwargs(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text("\n".join(json.dumps({"text": f"sample {i} " * 4}) for i in range(30)))
+    cfg = _cfg(tmp_path, source="hf", hf_kwargs={"path": "json", "data_files": str(f), "split": "train"})
+    dd = build_corpus(cfg, tmp_path / "cache", show_progress=False)
+    assert len(dd["train"]) + len(dd["validation"]) == 30
+    stream = _cfg(tmp_path, source="hf", hf_kwargs={"path": "json", "data_files": str(f), "streaming": True})
+    with pytest.raises(DataError, match="streaming datasets cannot be packed"):
+        build_corpus(stream, tmp_path / "cache")
+    missing = _cfg(tmp_path, source="hf", hf_kwargs={"path": "json", "data_files": str(tmp_path / "no.json")})
+    with pytest.raises(DataError, match=r"data.hf_kwargs=.*no.json.*load_dataset failed"):
+        build_corpus(missing, tmp_path / "cache")
+
+
+def test_missing_and_empty_inputs_name_the_path_and_filters(tmp_path):
+    with pytest.raises(DataError, match=r"data.files: no such file or directory: .*gone.txt"):
+        build_corpus(_cfg(tmp_path, source="files", files=[str(tmp_path / "gone.txt")]), tmp_path / "cache")
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    for i in range(4):
+        (blank / f"b{i}.txt").write_text("  \n\n")
+    cfg = _cfg(tmp_path, source="files", files=[str(blank)])
+    with pytest.raises(DataError, match=r"empty corpus: the train split has no non-blank documents "
+                                        r"\(source 'files': files \[.*blank'\], builder=text"):
+        build_corpus(cfg, tmp_path / "cache")
+    assert _entries(tmp_path / "cache") == [] and not [p for p in (tmp_path / "cache").iterdir()
+                                                          if p.name.startswith(".")]
+
+
+def test_empty_validation_split_says_how_to_fix(tmp_path):
+    d = _files(tmp_path, 3)
+    cfg = _cfg(tmp_path, source="files", files=[str(d)], split_by="file", validation_fraction=0.01)
+    with pytest.raises(DataError, match=r"validation split has no non-blank documents .*raise "
+                                        r"data.validation_fraction \(now 0.01\)"):
+        build_corpus(cfg, tmp_path / "cache")
+
+
+def test_second_build_is_a_cache_hit_and_edits_invalidate_it(tmp_path, monkeypatch):
+    d = _files(tmp_path)
+    cfg = _cfg(tmp_path, source="files", files=[str(d)])
+    first = build_corpus(cfg, tmp_path / "cache", show_progress=False)
+
+    def boom(*a, **k):
+        raise AssertionError("rebuilt although cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(corpus_mod, "_materialize", boom)
+        again = build_corpus(cfg, tmp_path / "cache", show_progress=False)
+    assert list(again["train"]["text"]) == list(first["train"]["text"]) and len(_entries(tmp_path / "cache")) == 1
+    (d / "doc03.txt").write_text("edited, longer text than before\n")
+    edited = build_corpus(cfg, tmp_path / "cache", show_progress=False)
+    assert len(_entries(tmp_path / "cache")) == 2
+    assert "edited, longer text than before\n" in _texts(edited)
+
+
+def test_interrupted_build_leaves_no_entry(tmp_path, monkeypatch):
+    d = _files(tmp_path)
+    cfg = _cfg(tmp_path, source="files", files=[str(d)])
+    real_save = datasets.DatasetDict.save_to_disk
+
+    def save_then_die(self, path, **kw):
+        real_save(self, path, **kw)  # the files are written ...
+        raise KeyboardInterrupt  # ... and the process is interrupted before publishing
+
+    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        build_corpus(cfg, tmp_path / "cache", show_progress=False)
+    assert os.listdir(tmp_path / "cache") == ["hf"]  # no entry, no temporary directory
+    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", real_save)
+    assert len(build_corpus(cfg, tmp_path / "cache", show_progress=False)["train"]) > 0
+
+
+@pytest.mark.parametrize("damage", ["meta", "arrow", "state"])
+def test_damaged_entry_is_a_clear_error(tmp_path, damage):
+    d = _files(tmp_path)
+    cfg = _cfg(tmp_path, source="files", files=[str(d)])
+    build_corpus(cfg, tmp_path / "cache", show_progress=False)
+    entry = tmp_path / "cache" / _entries(tmp_path / "cache")[0]
+    if damage == "meta":
+        (entry / "comera_meta.json").unlink()
+    elif damage == "arrow":
+        arrow = next((entry / "train").glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:100])
+    else:
+        (entry / "validation" / "state.json").write_text("{")
+    with pytest.raises(CacheError, match=f"unreadable cache entry {entry} .*delete it to rebuild: rm -rf"):
+        build_corpus(cfg, tmp_path / "cache", show_progress=False)

@@ -132,10 +132,10 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
     data = build_run_data(cfg, info)  # rank 0 builds corpus + tokenizer, the others wait; checks compat
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
-    faults = NonFiniteInjector(info.rank)
-    faults.attach(session.module)
     guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
     start = _restore(session, data, guard, resume, info)
+    faults = NonFiniteInjector(info.rank)
+    faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
     if info.rank == 0:
         data.save_tokenizer(Path(cfg.train.output_dir) / "tokenizer")
     metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,

@@ -1,0 +1,177 @@
+"""``comera evaluate`` and ``comera export``: a checkpoint as a plain model, outside any process group.
+
+A checkpoint directory holds the resolved config, the pruning plans (shapes) and DeepSpeed's
+shards; the model is rebuilt at the saved shapes and loaded from the fp32 weights (ZeRO shards
+merged by DeepSpeed's ``zero_to_fp32``). The tokenizer is the one the run saved under
+``<output_dir>/tokenizer``. Every failure on the user's input is an ``InputError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from comera_dist.compression.pruning import PruningPlan
+from comera_dist.config import RunConfig, build_run_config
+from comera_dist.data.errors import DataError
+from comera_dist.data.loader import eval_batches
+from comera_dist.data.collators import collator_for
+from comera_dist.data.prepare import check_compat, evaluation_corpus
+from comera_dist.data.tokenizer import load_tokenizer
+from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine.errors import InputError
+from comera_dist.engine.prune import model_at_shapes
+from comera_dist.models import build_model
+from comera_dist.models.gpt import GPT
+
+IGNORE_INDEX = -100
+CONSOLIDATED = "consolidated_fp32.pt"
+
+
+@dataclass(slots=True)
+class LoadedRun:
+    """A checkpoint rebuilt as a plain ``nn.Module`` with its config and tokenizer directory."""
+
+    path: Path
+    cfg: RunConfig
+    model: nn.Module
+    state: dict[str, torch.Tensor]
+    tokenizer_dir: Path
+
+
+def locate(spec: str | Path) -> Path:
+    """A checkpoint directory from a run dir, a ``checkpoints`` dir or a checkpoint dir itself."""
+    path = Path(spec)
+    if not path.is_dir():
+        raise InputError(f"--checkpoint {path}: no such directory")
+    for candidate in (path, path / "checkpoints"):
+        if ckpt.is_complete(candidate):
+            return candidate
+        found = ckpt.latest_complete(candidate)
+        if found is not None:
+            return found
+    raise InputError(f"--checkpoint {path}: no complete checkpoint there (expected a run directory, its "
+                     f"checkpoints/ directory, or a checkpoint holding {ckpt.MARKER})")
+
+
+def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of the checkpoint (ZeRO shards merged; stage 0 keeps them whole)."""
+    if zero_stage == 0:
+        files = sorted(path.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise InputError(f"checkpoint {path}: no mp_rank_*_model_states.pt")
+        # Our own checkpoint files (DeepSpeed stores non-tensor objects beside the weights).
+        return {k: v.float() for k, v in torch.load(files[0], map_location="cpu", weights_only=False)["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+
+
+def load_run(spec: str | Path) -> LoadedRun:
+    """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights."""
+    path = locate(spec)
+    try:
+        cfg = build_run_config(yaml.safe_load((path / ckpt.CONFIG).read_text()))
+        meta = ckpt.read_meta(path)
+    except (OSError, ckpt.CheckpointError, yaml.YAMLError) as e:
+        raise InputError(f"checkpoint {path}: {e}") from e
+    plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
+    model = model_at_shapes(lambda: build_model(cfg.model, cfg.comera), plans)
+    state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in dict(model.named_buffers())]
+    if missing or unexpected:
+        raise InputError(f"checkpoint {path} does not match its config's model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.eval()
+    beside = path.parent.parent / "tokenizer"  # <run>/checkpoints/<tag> -> <run>/tokenizer (moved runs)
+    tokenizer_dir = beside if beside.is_dir() else Path(cfg.train.output_dir) / "tokenizer"
+    return LoadedRun(path=path, cfg=cfg, model=model, state=state, tokenizer_dir=tokenizer_dir)
+
+
+@torch.no_grad()
+def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_size: int = 8,
+                        max_batches: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Token-weighted MLM (or causal) loss and arg-max accuracy of a checkpoint on local files."""
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+    run = load_run(checkpoint)
+    cfg = run.cfg
+    try:
+        tokenizer = load_tokenizer(run.tokenizer_dir)
+        check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
+        blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
+                                   show_progress=False)
+        collator = collator_for(cfg.data.objective, tokenizer, cfg.data.mlm_probability)
+        batches = list(eval_batches(blocks, batch_size=batch_size, rank=0, world_size=1, seed=seed,
+                                    collator=collator, max_batches=max_batches))
+    except DataError as e:
+        raise InputError(str(e)) from e
+    causal = isinstance(run.model, GPT)
+    loss_sum, correct, count = 0.0, 0, 0
+    for batch in batches:
+        out = run.model(**batch)
+        logits, labels = out["logits"], batch["labels"]  # (B, T, V), (B, T)
+        if causal:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        keep = labels != IGNORE_INDEX  # (B, T)
+        n = int(keep.sum())
+        loss_sum += float(out["loss"]) * n
+        correct += int((logits.argmax(-1) == labels)[keep].sum())
+        count += n
+    return {"checkpoint": str(run.path), "loss": loss_sum / count if count else math.nan,
+            "accuracy": correct / count if count else math.nan, "masked_tokens": count,
+            "batches": len(batches), "blocks": len(blocks), "objective": cfg.data.objective}
+
+
+@contextlib.contextmanager
+def _publish_dir(out: Path) -> Iterator[Path]:
+    """Fill a temporary sibling of ``out``, then rename it into place (never a half-written export)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"--out {out}: exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "dense-hf") -> Path:
+    """Write the checkpoint as ``dense-hf`` (transformers ``save_pretrained``), ``tt`` (compact TT
+    cores with their shapes) or ``consolidated`` (one fp32 state-dict file); returns ``out``."""
+    from comera_dist.models.export import export_dense
+    from comera_dist.models.tt_io import save_tt
+
+    if fmt not in ("dense-hf", "tt", "consolidated"):
+        raise InputError(f"--format {fmt!r} is not one of dense-hf, tt, consolidated")
+    run = load_run(checkpoint)
+    out = Path(out)
+    with _publish_dir(out) as tmp:
+        if fmt == "dense-hf":
+            export_dense(run.model, tmp)
+        elif fmt == "tt":
+            save_tt(run.model, tmp)
+        else:
+            torch.save(run.state, tmp / CONSOLIDATED)
+            shutil.copy(run.path / ckpt.CONFIG, tmp / ckpt.CONFIG)
+            shutil.copy(run.path / ckpt.META, tmp / ckpt.META)
+        if run.tokenizer_dir.is_dir():
+            for f in run.tokenizer_dir.iterdir():
+                if f.is_file() and not (tmp / f.name).exists():
+                    shutil.copy(f, tmp / f.name)
+    return out

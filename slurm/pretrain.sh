@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# CoMERA pretraining on Slurm: one srun task per node, each running torchrun for the node's processes.
+# usage: sbatch [sbatch options] slurm/pretrain.sh [--dry-run] CONFIG [--set key=value ...]
+#   e.g. mkdir -p logs && sbatch -N 4 slurm/pretrain.sh configs/codebert.yaml --set train.steps=20000
+#   CPU (tests): sbatch -p debug --gres=none --mem=1G --export=ALL,COMERA_DEVICE=cpu slurm/pretrain.sh CFG
+#   --dry-run   print the resolved launch command and exit (inside or outside an allocation)
+# env: COMERA_HOME (repository; default the submit directory), COMERA_DEVICE (gpu | cpu, default gpu),
+#      COMERA_NPROC_PER_NODE (default: GPUs on the node, or 2 on cpu), COMERA_RDZV_PORT (default 20000 +
+#      job id mod 20000), COMERA_TRAIN_SCRIPT (default launch/train.py), COMERA_DRY_RUN=1 (= --dry-run)
+# Preemption / time limit: Slurm sends USR1 to this script 120 s early (--signal=B:USR1@120); it
+# forwards USR1 to every node's trainer processes, which checkpoint at the next step boundary and
+# exit 0; then the job requeues itself and the next run resumes (--resume auto).
+# The node count is never written here: it is sbatch's -N (default 1).
+#SBATCH --job-name=comera-pretrain
+#SBATCH --partition=gpu
+#SBATCH --gres=gpu:8
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=64
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=logs/%x-%j.out
+set -euo pipefail
+
+DRY_RUN=${COMERA_DRY_RUN:-0}
+if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
+if [ $# -lt 1 ]; then sed -n '3,9p' "$0" >&2; exit 2; fi
+CONFIG=$1; shift
+
+# sbatch runs a copy of this file from the spool directory: find the repository explicitly
+ROOT=${COMERA_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+cd "$ROOT" || { echo "pretrain.sh: COMERA_HOME/submit dir '$ROOT' not found" >&2; exit 2; }
+[ -f "$CONFIG" ] || { echo "pretrain.sh: config file '$CONFIG' not found (relative to $ROOT)" >&2; exit 2; }
+export COMERA_TRAIN_SCRIPT=${COMERA_TRAIN_SCRIPT:-launch/train.py}   # node_launch.sh signals it
+TRAIN_SCRIPT=$COMERA_TRAIN_SCRIPT
+[ -f "$TRAIN_SCRIPT" ] || { echo "pretrain.sh: COMERA_TRAIN_SCRIPT '$TRAIN_SCRIPT' not found" >&2; exit 2; }
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+
+DEVICE=${COMERA_DEVICE:-gpu}
+case "$DEVICE" in
+  gpu) NPROC=${COMERA_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}} ;;
+  cpu) NPROC=${COMERA_NPROC_PER_NODE:-2}
+       # DeepSpeed's cpu accelerator on gloo; the ranks of a node share its cores
+       export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ;;
+  *)   echo "pretrain.sh: COMERA_DEVICE must be gpu or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "pretrain.sh: no processes per node (COMERA_NPROC_PER_NODE='$NPROC')" >&2; exit 2; }
+
+# Rendezvous on the first node of the allocation. Its NodeAddr is what other nodes reach (emulated
+# nodes share one host and their names do not resolve, so never use the bare node name).
+NNODES=${SLURM_JOB_NUM_NODES:-1}
+if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+else
+  HEAD_NODE=localhost HEAD_ADDR=127.0.0.1   # --dry-run outside an allocation
+fi
+JOB_ID=${SLURM_JOB_ID:-0}
+RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
+
+# --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues
+train=("$TRAIN_SCRIPT" --config "$CONFIG" --resume auto "$@")
+launch=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+        slurm/node_launch.sh
+        --nnodes "$NNODES" --nproc-per-node "$NPROC" --rdzv-backend c10d
+        --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "comera-$JOB_ID" --max-restarts 0
+        "${train[@]}")
+echo "pretrain.sh: job $JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $NNODES node(s) (${SLURM_JOB_NODELIST:-none})," \
+     "head $HEAD_NODE=$HEAD_ADDR:$RDZV_PORT, $NPROC process(es)/node, device $DEVICE"
+echo "pretrain.sh: ${launch[*]}"
+if [ "$DRY_RUN" = 1 ]; then exit 0; fi
+
+STOP=""
+forward_stop() {  # USR1 (time limit, preemption notice) or TERM: the steps checkpoint and exit
+  STOP=$1
+  echo "pretrain.sh: caught $1, forwarding USR1 to the trainer on every node"
+  scancel --signal=USR1 "$JOB_ID" || true   # every step's tasks, not this batch shell
+}
+trap 'forward_stop USR1' USR1
+trap 'forward_stop TERM' TERM
+
+# srun in the background: bash runs a trap only between commands, and `wait` returns at once
+"${launch[@]}" &
+SRUN_PID=$!
+rc=0
+while :; do
+  wait "$SRUN_PID" && rc=0 || rc=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break   # returned because of a trap: keep waiting for the step
+done
+echo "pretrain.sh: training step exited with $rc"
+
+if [ -n "$STOP" ]; then
+  if [ "$rc" -ne 0 ]; then
+    echo "pretrain.sh: trainer did not stop cleanly after $STOP (rc $rc); not requeueing" >&2
+    exit "$rc"
+  fi
+  echo "pretrain.sh: checkpointed after $STOP; requeueing job $JOB_ID (resumes with --resume auto)"
+  scontrol requeue "$JOB_ID"
+  # requeue ends this batch shell; if it returns first, exit cleanly
+  exit 0
+fi
+exit "$rc"

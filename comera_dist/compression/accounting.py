@@ -73,7 +73,8 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
 
     ``layers[name]``: kind, dense_params (the matrix/table it replaces), physical_params
     (allocated core entries), active_params (surviving ranks), ranks, bond_dims,
-    flops_per_token (active ranks). Totals: ``size`` (= S), ``dense_params_tensorized``,
+    flops_per_token (active ranks). Totals: ``size`` (= S), ``physical_size``,
+    ``flops_per_token_tensorized``, ``dense_params_tensorized``,
     ``leftover_params`` (every parameter that is no core or gate: norms, biases, heads,
     untensorized layers), ``gate_params``, ``compression_ratio_tensorized`` (dense /
     active over the tensorized layers) and ``compression_ratio_model`` ((leftover + dense)
@@ -106,6 +107,7 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
         "dense_params_tensorized": dense,
         "leftover_params": leftover,
         "gate_params": gate_params,
+        "flops_per_token_tensorized": sum(r["flops_per_token"] for r in rows.values()),
         "compression_ratio_tensorized": dense / size if size else math.inf,
         "compression_ratio_model": (leftover + dense) / (leftover + size) if leftover + size else math.inf,
     }

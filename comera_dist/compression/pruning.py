@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from comera_dist.compression.config import PruningConfig
 from comera_dist.compression.walk import tensorized_modules
 
 
@@ -84,6 +85,39 @@ class PruningPlan:
 def bond_dims(model: nn.Module) -> dict[str, list[int]]:
     """Current physical interior bond sizes of every tensorized layer (gate lengths)."""
     return {name: list(layer.bond_dims()) for name, layer in tensorized_modules(model)}
+
+
+def prune_due(cfg: PruningConfig, step: int) -> bool:
+    """Whether a physical prune happens after optimizer step ``step`` (1-based count of steps done).
+
+    Every ``cfg.every`` steps counted from ``cfg.start_step``; never when ``every == 0``.
+    """
+    if cfg.every == 0 or step < max(cfg.start_step, 1):
+        return False
+    return (step - cfg.start_step) % cfg.every == 0
+
+
+def plan_to_bond_dims(model: nn.Module, dims: dict[str, list[int]]) -> PruningPlan:
+    """A plan that resizes a freshly built ``model`` to the bond sizes ``dims`` (e.g. from a checkpoint).
+
+    It keeps the first ``dims[layer][bond]`` indices of each bond; the values are meant to be
+    overwritten by ``load_state_dict`` right after. Unknown layers, a wrong bond count or a
+    size larger than the model's are ``ValueError``s.
+    """
+    have = bond_dims(model)
+    missing = sorted(set(dims) - set(have))
+    if missing:
+        raise ValueError(f"plan_to_bond_dims: dims name layers the model does not have: {missing}")
+    kept: dict[str, dict[int, list[int]]] = {}
+    for name, want in dims.items():
+        if len(want) != len(have[name]):
+            raise ValueError(f"plan_to_bond_dims: layer {name!r} has {len(have[name])} bonds, dims gives {want}")
+        for bond, (w, h) in enumerate(zip(want, have[name])):
+            if not 1 <= w <= h:
+                raise ValueError(f"plan_to_bond_dims: layer {name!r} bond {bond} size {w} outside [1, {h}]")
+            if w < h:
+                kept.setdefault(name, {})[bond] = list(range(w))
+    return PruningPlan(kept=kept, bond_dims=have)
 
 
 def make_plan(model: nn.Module, min_rank: int = 1) -> PruningPlan:

@@ -46,6 +46,7 @@ def test_report_rows_totals_and_ratios():
     assert (emb["kind"], emb["dense_params"], emb["active_params"], emb["ranks"]) == ("TTEmbedding", 60, 64, [4])
     assert lin["flops_per_token"] == m.lin.flops_per_token(active=True)
     assert emb["flops_per_token"] == m.emb.flops_per_token(active=True)
+    assert rep["flops_per_token_tensorized"] == lin["flops_per_token"] + emb["flops_per_token"]
     # leftovers: LayerNorm (12) + the TT bias (6); gates are reported apart
     assert (rep["leftover_params"], rep["gate_params"]) == (18, 2 + 3 + 2 + 4)
     assert rep["size"] == 100 and rep["physical_size"] == 114

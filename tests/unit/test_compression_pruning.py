@@ -8,9 +8,16 @@ import torch
 from torch import nn
 
 from comera_dist.compression.accounting import compression_report
-from comera_dist.compression.config import LrConfig
+from comera_dist.compression.config import LrConfig, PruningConfig
 from comera_dist.compression.groups import param_groups
-from comera_dist.compression.pruning import PruningPlan, apply_plan, bond_dims, make_plan
+from comera_dist.compression.pruning import (
+    PruningPlan,
+    apply_plan,
+    bond_dims,
+    make_plan,
+    plan_to_bond_dims,
+    prune_due,
+)
 from comera_dist.layers.embedding import TTEmbedding
 from comera_dist.layers.linear import TTLinear
 
@@ -83,9 +90,9 @@ def test_apply_plan_shrinks_shapes_and_keeps_the_output():
     assert bond_dims(net) == plan.bond_dims_after() == {"emb": [2, 4], "up": [4, 3, 2], "down": [3, 3, 3, 2, 3],
                                                             "side": [3, 1, 3]}
     assert [(c.shape[0], c.shape[-1]) for c in net.up.cores] == [(1, 4), (4, 3), (3, 2), (2, 1)]
-    assert tuple(net.emb.cores[0].shape)[-1] == 2 and tuple(net.emb.cores[1].shape)[0] == 2
-    assert tuple(net.side.cores[1].shape)[-1] == 1 and tuple(net.side.cores[2].shape)[0] == 1
-    assert tuple(net.down.cores[3].shape)[-1] == 2 and tuple(net.down.cores[4].shape)[0] == 2
+    assert net.emb.cores[0].shape[-1] == 2 and net.emb.cores[1].shape[0] == 2
+    assert net.side.cores[1].shape[-1] == 1 and net.side.cores[2].shape[0] == 1
+    assert net.down.cores[3].shape[-1] == 2 and net.down.cores[4].shape[0] == 2
     pruned = net(IDS)
     rel = ((pruned - masked).norm() / masked.norm()).item()
     assert rel <= 1e-6, rel
@@ -195,3 +202,28 @@ def test_bad_plans_are_clear_errors():
     with pytest.raises(ValueError, match=r"layer 'emb' has bond sizes \[2, 4\], the plan was made for \[4, 4\]"):
         apply_plan(net, plan)  # applying the same plan twice
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # nothing was touched
+
+
+def test_resize_from_checkpointed_bond_dims():
+    net = _gated_net()
+    apply_plan(net, make_plan(net))
+    dims = bond_dims(net)  # what the engine stores beside the checkpoint
+    fresh = Net(seed=7)
+    apply_plan(fresh, plan_to_bond_dims(fresh, json.loads(json.dumps(dims))))
+    fresh.load_state_dict(net.state_dict())
+    assert bond_dims(fresh) == dims and torch.equal(fresh(IDS), net(IDS))
+    with pytest.raises(ValueError, match=r"layer 'up' bond 0 size 5 outside \[1, 4\]"):
+        plan_to_bond_dims(Net(seed=7), {"up": [5, 4, 4]})
+    with pytest.raises(ValueError, match=r"layer 'up' has 3 bonds, dims gives \[4\]"):
+        plan_to_bond_dims(Net(seed=7), {"up": [4]})
+    with pytest.raises(ValueError, match=r"layers the model does not have: \['nope'\]"):
+        plan_to_bond_dims(Net(seed=7), {"nope": [1]})
+
+
+@pytest.mark.parametrize(
+    ("every", "start", "due_steps"),
+    [(0, 0, []), (3, 0, [3, 6, 9]), (4, 5, [5, 9]), (1, 8, [8, 9, 10])],
+)
+def test_prune_due_schedule(every, start, due_steps):
+    cfg = PruningConfig(every=every, start_step=start)
+    assert [s for s in range(11) if prune_due(cfg, s)] == due_steps

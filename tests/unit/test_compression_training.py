@@ -8,6 +8,8 @@ its target and lambda returns to 0. Single process, so the "global" values the e
 would all-reduce are the local ones here.
 """
 
+import itertools
+
 import torch
 
 from comera_dist.compression.accounting import model_size
@@ -45,7 +47,7 @@ def test_late_stage_runs_and_lambda_switches_both_ways():
     assert switched.index(True) == 25 and sum(switched) == 1
     assert ctl.state.size_at_switch == 160 and ctl.state.target_size == 80.0
     assert lams[:25] == [None] * 25 and None not in lams[25:]
-    pairs = list(zip(lams[25:], lams[26:]))
+    pairs = list(itertools.pairwise(lams[25:]))
     up, down = pairs.count((0, 1)), pairs.count((1, 0))
     assert up >= 2 and down >= 2, "".join(map(str, lams[25:]))
     assert ctl.state.lam_switches == up + down

@@ -1,0 +1,86 @@
+"""Physical pruning (``prune_``), rebuilding from ``tensor_shapes()`` and state_dict shape checks."""
+
+import pytest
+import torch
+
+from comera_dist.layers import TTEmbedding, TTLinear
+
+
+def _kill(layer, dead):
+    """Push chosen gate entries below tau; returns the kept indices per bond."""
+    with torch.no_grad():
+        for k, idx in dead.items():
+            layer.gates[k][idx] = 0.004
+    return {k: (g.detach() > layer.tau).nonzero().squeeze(1) for k, g in enumerate(layer.gates)}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("order", ["lr", "sequential", "dense"])
+def test_tt_linear_prune_keeps_the_output_and_shrinks(order):
+    torch.manual_seed(0)
+    layer = TTLinear(768, 768, order=order)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.uniform_(0.2, 2.0)  # continuous gate values: pruning must keep them (or fold them)
+    kept = _kill(layer, {0: [0, 5], 2: list(range(0, 30, 3)), 4: [11]})
+    x = torch.randn(64, 768)
+    y_masked = layer(x)
+    active = layer.param_count(active=True)
+    layer.prune_(kept)
+    assert layer.bond_dims() == [10, 30, 20, 30, 11] == layer.ranks()
+    assert layer.param_count(active=False) == active == sum(c.numel() for c in layer.cores)
+    assert _rel(layer(x), y_masked) < 1e-6
+    # A fresh model built from the shapes loads the pruned state_dict and computes the same.
+    fresh = TTLinear(768, 768, **layer.tensor_shapes(), order=order)
+    fresh.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+    # The pruned parameters are trainable leaves.
+    layer(x).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_tt_embedding_prune_keeps_the_output():
+    torch.manual_seed(0)
+    emb = TTEmbedding(1000, 48, num_cores=4, max_rank=12, padding_idx=0)
+    with torch.no_grad():
+        for g in emb.gates:
+            g.uniform_(0.2, 2.0)
+    kept = _kill(emb, {0: [1, 2, 3], 1: [0], 2: list(range(6))})
+    ids = torch.randint(0, 1000, (5, 9))
+    y = emb(ids)
+    emb.prune_(kept)
+    assert emb.bond_dims() == [9, 11, 6]
+    assert _rel(emb(ids), y) < 1e-6
+    fresh = TTEmbedding(1000, 48, **emb.tensor_shapes(), padding_idx=0)
+    fresh.load_state_dict(emb.state_dict())
+    torch.testing.assert_close(fresh(ids), emb(ids), rtol=0, atol=0)
+
+
+def test_loading_a_pruned_state_into_the_wrong_shapes_names_key_and_shapes():
+    layer = TTLinear(24, 30, num_cores=4, max_rank=4)
+    pruned = TTLinear(24, 30, num_cores=4, max_rank=4)
+    pruned.prune_({1: torch.tensor([0, 2])})
+    with pytest.raises(ValueError, match=r"state_dict\['cores.1'\] has shape \(4, 4, 2\) but this TTLinear "
+                                         r"expects \(4, 4, 4\).*ranks=\[1, 4, 2, 4, 1\]"):
+        layer.load_state_dict(pruned.state_dict())
+    outer = torch.nn.Sequential(TTEmbedding(30, 8, num_cores=2, max_rank=4))
+    bad = outer.state_dict()
+    bad["0.gates.0"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"state_dict\['0.gates.0'\] has shape \(3,\) but this TTEmbedding expects \(4,\)"):
+        outer.load_state_dict(bad)
+
+
+def test_prune_bad_input():
+    layer = TTLinear(24, 30, num_cores=4, max_rank=4)
+    for kept, match in [
+        ({3: [0]}, r"kept has bond 3; bonds are 0..2"),
+        ({1: []}, r"kept\[1\] is empty"),
+        ({1: [0, 4]}, r"kept\[1\]=\[0, 4\] has indices outside 0..3"),
+        ({1: [1, 1]}, r"kept\[1\]=\[1, 1\] has duplicate indices"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            layer.prune_(kept)
+    assert layer.bond_dims() == [4, 4, 4]  # a rejected plan changes nothing

@@ -4,6 +4,8 @@ The late stage running inside a real training of a TT model, with lambda switchi
 both directions, is shown in test_compression_training.py.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_state_dict_round_trip_and_lambda_switch_count():
         ctl.objective(torch.tensor(loss), torch.tensor(1.0), global_loss=loss, global_size=1000)
     assert ctl.state.lam_switches == 2 and ctl.lam == 0
     other = RankController(cfg)
-    other.load_state_dict(ctl.state_dict())
+    other.load_state_dict(json.loads(json.dumps(ctl.state_dict())))  # plain data: JSON-safe
     assert other.state == ctl.state
     # the restored controller continues identically
     a = ctl.objective(torch.tensor(1.1), torch.tensor(1.0), global_loss=1.1, global_size=1000)

@@ -17,6 +17,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassifica
                           GPT2LMHeadModel, PreTrainedModel)
 
 from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.models.atomic import atomic_dir
 from comera_dist.models.bert_mlm import BertMLM
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.gpt import GPT
@@ -28,13 +29,15 @@ def export_dense(model: nn.Module, out_dir: str | Path) -> Path:
     """Densify ``model`` (ours or a tensorized HF model) and ``save_pretrained`` it to ``out_dir``."""
     hf = densify(model) if isinstance(model, PreTrainedModel) else to_hf(model)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)
+    with atomic_dir(out) as tmp:
+        hf.save_pretrained(tmp)
     return out
 
 
 def to_hf(model: nn.Module) -> PreTrainedModel:
     """The dense HF model equivalent to one of our models (same logits in eval mode)."""
+    if not isinstance(model, (BertMLM, SixEncoderClassifier, GPT)):
+        raise TypeError(f"to_hf supports BertMLM, SixEncoderClassifier and GPT, got {type(model).__name__}")
     cfg: ModelConfig = model.config
     if isinstance(model, BertMLM):
         hf = BertForMaskedLM(_bert_config(cfg, tied=_tied(model.head.decoder, model.embeddings.word)))
@@ -49,11 +52,9 @@ def to_hf(model: nn.Module) -> PreTrainedModel:
         state = _bert_trunk(model, "bert.")
         state.update(_linear(model.pooler, "bert.pooler.dense."))
         state.update(_linear(model.classifier, "classifier."))
-    elif isinstance(model, GPT):
+    else:
         hf = GPT2LMHeadModel(_gpt2_config(cfg, tied=_tied(model.lm_head, model.word)))
         state = _gpt2_state(model)
-    else:
-        raise TypeError(f"to_hf supports BertMLM, SixEncoderClassifier and GPT, got {type(model).__name__}")
     _load_exact(hf, state)
     return hf.to(_dtype_of(model)).eval()
 

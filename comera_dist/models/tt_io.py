@@ -21,6 +21,7 @@ from torch import nn
 
 from comera_dist.configbase import from_dict, to_dict
 from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.models.atomic import atomic_dir
 from comera_dist.models.build import build_model
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.hf import ARCH_MAPS, FusedQKV
@@ -34,8 +35,7 @@ WEIGHTS_FILE = "model.safetensors"
 def save_tt(model: nn.Module, out_dir: str | Path) -> Path:
     """Write ``model`` (one of ours, or a tensorized HF model) in compact TT form to ``out_dir``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if isinstance(model.config, ModelConfig):
+    if isinstance(getattr(model, "config", None), ModelConfig):
         source: dict[str, Any] = {"kind": "comera", "model_config": to_dict(model.config)}
     elif type(model).__name__ in ARCH_MAPS:
         source = {"kind": "hf", "class": type(model).__name__, "hf_config": model.config.to_dict()}
@@ -44,10 +44,9 @@ def save_tt(model: nn.Module, out_dir: str | Path) -> Path:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     meta = {"format": FORMAT, "version": VERSION, "dtype": str(dtype).removeprefix("torch."), **source,
             "modules": _describe(model)}
-    tmp = out / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    save_model(model, str(out / WEIGHTS_FILE))
-    tmp.replace(out / CONFIG_FILE)  # the config appears last: a directory with it is complete
+    with atomic_dir(out) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        save_model(model, str(tmp / WEIGHTS_FILE))
     return out
 
 

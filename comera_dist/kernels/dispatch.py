@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import Tensor

@@ -7,7 +7,6 @@ Call these through ``comera_dist.kernels.dispatch``, which decides when they run
 """
 
 # No ``from __future__ import annotations``: custom_op infers the schema from real annotations.
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -18,12 +17,12 @@ _EMPTY = (0,)  # shape of the placeholder returned for a gradient nobody asked f
 
 
 @torch.library.custom_op("comera::tt_linear", mutates_args=())
-def _tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None) -> Tensor:
     return tt_linear_kernel.tt_linear_fwd(x, L, R, bias)
 
 
 @_tt_linear.register_fake
-def _(x: Tensor, L: Tensor, R: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None) -> Tensor:
     torch._check(x.shape[1] == L.shape[0] and L.shape[1] == R.shape[0],
                  lambda: f"comera::tt_linear: x{tuple(x.shape)} L{tuple(L.shape)} R{tuple(R.shape)} do not chain")
     return x.new_empty((x.shape[0], R.shape[1]))

@@ -60,7 +60,7 @@ def _tt_linear_fwd_kernel(
 
     # This program writes N_BLOCKS_PER_PROG consecutive output tiles from the same H.
     n_first = pid_n * N_BLOCKS_PER_PROG * BLOCK_N
-    for j in range(0, N_BLOCKS_PER_PROG):
+    for j in range(N_BLOCKS_PER_PROG):
         n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         mask_n = n < N_OUT
         rn = tl.load(r_ptr + offs_r[:, None] * stride_rr + n[None, :] * stride_rn,
@@ -265,7 +265,7 @@ def tt_linear_bwd(dy: Tensor, x: Tensor, L: Tensor, R: Tensor, *, need_dx: bool 
         splits = split_count(k_blocks + n_blocks, m_blocks, x.device) if t_split is None else max(1, min(t_split, m_blocks))
         rows = triton.cdiv(m_blocks, splits) * bm
         splits = triton.cdiv(T, rows)
-        f32 = dict(dtype=torch.float32, device=x.device)
+        f32 = {"dtype": torch.float32, "device": x.device}
         dl_part = torch.empty((splits, n_in, r_pad), **f32) if need_dl else g  # (S, N_in, RP)
         dr_part = torch.empty((splits, r_pad, n_out), **f32) if need_dr else g  # (S, RP, N_out)
         db_part = torch.empty((splits, n_out), **f32) if need_db else g  # (S, N_out)

@@ -147,7 +147,7 @@ def _check(ids: Tensor, A: Tensor, B: Tensor) -> None:
 class _Sorted:
     """The token ids sorted once: distinct ids, and each id's run of token positions."""
 
-    __slots__ = ("uniq", "offsets", "order")
+    __slots__ = ("offsets", "order", "uniq")
 
     def __init__(self, ids: Tensor, n_rows: int):
         sorted_ids, order = torch.sort(ids, stable=True)  # (T,), (T,)
@@ -167,8 +167,8 @@ def _offsets(counts: Tensor) -> Tensor:
 
 def _pads(A: Tensor, B: Tensor) -> dict[str, int]:
     n1, rank, n2 = A.shape[1], A.shape[2], B.shape[2]
-    return dict(N1_PAD=max(16, triton.next_power_of_2(n1)), N2_PAD=max(16, triton.next_power_of_2(n2)),
-                R_PAD=max(16, triton.next_power_of_2(rank)))
+    return {"N1_PAD": max(16, triton.next_power_of_2(n1)), "N2_PAD": max(16, triton.next_power_of_2(n2)),
+            "R_PAD": max(16, triton.next_power_of_2(rank))}
 
 
 def ttm_lookup_fwd(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
@@ -203,7 +203,7 @@ def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor) -> tuple[Ten
     if ids.numel() == 0:
         return dA, dB
     s = _Sorted(ids.long(), M1 * M2)
-    common = dict(**_pads(A, B), DOT_FP32=INTERPRET, PRECISION=dot_precision(A.dtype))
+    common = {**_pads(A, B), "DOT_FP32": INTERPRET, "PRECISION": dot_precision(A.dtype)}
     # Distinct ids are sorted, so ids sharing i1 = id // M2 are already contiguous.
     i1_groups, i1_counts = torch.unique_consecutive(s.uniq // M2, return_counts=True)  # (G1,), (G1,)
     drows = torch.empty((s.uniq.numel(), N1 * N2), dtype=torch.float32, device=A.device)  # (U, N1*N2)

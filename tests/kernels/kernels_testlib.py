@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -52,4 +52,4 @@ def compare_with_reference(fast: Callable[..., Tensor], ref: Callable[..., Tenso
     for i, (a, b) in enumerate(zip(fast_args, ref_args)):
         if isinstance(a, Tensor) and a.requires_grad:
             assert a.grad is not None, f"no gradient for argument {i}"
-            torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"grad of arg {i}: {m}")
+            torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m, i=i: f"grad of arg {i}: {m}")

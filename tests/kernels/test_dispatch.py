@@ -82,9 +82,8 @@ def test_forcing_torch_and_nesting(monkeypatch, kernel_calls):
 
 
 def test_override_restored_after_an_exception():
-    with pytest.raises(RuntimeError, match="boom"):
-        with dispatch.use_backend("triton"):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), dispatch.use_backend("triton"):
+        raise RuntimeError("boom")
     assert dispatch.resolve_backend(torch.zeros(1)) == "torch"
 
 
@@ -101,9 +100,9 @@ def test_env_var_selects_backend(monkeypatch, kernel_calls):
 
 
 def test_bad_names_raise(monkeypatch):
-    with pytest.raises(ValueError, match=r"backend 'cuda' is not one of \['auto', 'torch', 'triton'\]"):
-        with dispatch.use_backend("cuda"):
-            pass
+    with pytest.raises(ValueError, match=r"backend 'cuda' is not one of \['auto', 'torch', 'triton'\]"), \
+            dispatch.use_backend("cuda"):
+        pass
     monkeypatch.setenv("COMERA_KERNELS", "Triton")
     with pytest.raises(ValueError, match=r"COMERA_KERNELS='Triton' is not one of"):
         dispatch.tt_linear(*_tt_args())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comera_dist.kernels import dispatch, ops
+from comera_dist.kernels import dispatch
 from comera_dist.tensor.contract import tt_linear_lr, ttm_lookup_pairs
 
 
@@ -72,4 +72,4 @@ def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
     for i, (f, r) in enumerate(zip(fast, ref)):
         if r.requires_grad:
-            torch.testing.assert_close(f.grad, r.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"arg {i}: {m}")
+            torch.testing.assert_close(f.grad, r.grad, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"arg {i}: {m}")

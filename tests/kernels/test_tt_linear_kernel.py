@@ -54,7 +54,7 @@ def test_split_grids_match_reference():
 
 
 def test_only_requested_gradients_are_computed():
-    x, L, R, b = tt_operands(20, 18, 17, 5, bias=True)
+    x, L, R, _ = tt_operands(20, 18, 17, 5, bias=True)
     dy = torch.randn(20, 17)
     dx, dl, dr, db = tt_linear_kernel.tt_linear_bwd(dy, x, L, R, need_dx=False, need_dl=False, need_dr=True)
     assert dx is None and dl is None and db is None
@@ -85,15 +85,15 @@ def test_zero_tokens():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(L=torch.randn(15, 4)), r"do not chain"),
-    (dict(R=torch.randn(3, 16)), r"do not chain"),
-    (dict(x=torch.randn(2, 3, 16)), r"must be 2-D"),
-    (dict(bias=torch.randn(15)), r"bias must have shape \(16,\)"),
-    (dict(L=torch.randn(16, 4, dtype=torch.float64)), r"L=torch.float64"),
+    ({"L": torch.randn(15, 4)}, r"do not chain"),
+    ({"R": torch.randn(3, 16)}, r"do not chain"),
+    ({"x": torch.randn(2, 3, 16)}, r"must be 2-D"),
+    ({"bias": torch.randn(15)}, r"bias must have shape \(16,\)"),
+    ({"L": torch.randn(16, 4, dtype=torch.float64)}, r"L=torch.float64"),
 ])
 def test_bad_input_raises_naming_it(bad, match):
     x, L, R, b = tt_operands(8, 16, 16, 4, bias=True)
-    args = dict(x=x, L=L, R=R, bias=b) | bad
+    args = {"x": x, "L": L, "R": R, "bias": b} | bad
     with pytest.raises(ValueError, match=match):
         tt_linear_kernel.tt_linear_fwd(**args)
 

@@ -1,0 +1,142 @@
+"""The run config: one YAML file with the model, comera, data, train, deepspeed and metrics sections.
+
+``load_run_config`` reads the file, applies ``--set a.b=value`` overrides, builds every
+section's own dataclass (unknown keys, wrong types and bad values are ``ConfigError``s naming
+the dotted key), then checks what no single section can: sequence length vs positions,
+tensorization modes vs model dimensions, and (given the world size) the batch arithmetic.
+All of it runs before any process group starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from comera_dist.compression.config import ComeraConfig
+from comera_dist.configbase import ConfigError, from_dict, load_yaml, to_dict
+from comera_dist.data.config import DataConfig
+from comera_dist.engine.config import DeepSpeedSection, TrainConfig, solve_batch_sizes
+from comera_dist.metrics.config import MetricsConfig
+from comera_dist.models.config import ModelConfig
+from comera_dist.tensor.factorize import factorize
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Everything one training run needs; each section belongs to the package it configures."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture and sizes (``comera_dist.models``)."""
+    comera: ComeraConfig = field(default_factory=ComeraConfig)
+    """Tensorization, rank controller, pruning, per-role lrs (``comera_dist.compression``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer, packing (``comera_dist.data``)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, evaluation, checkpoints, resume (``comera_dist.engine``)."""
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    """ZeRO stage, precision, batch sizes, optimizer and schedule (generates the DeepSpeed JSON)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Console, Prometheus and report outputs (``comera_dist.metrics``)."""
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to nested ``data`` in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+        parts = key.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {'.'.join(parts[:i + 1])} is not a section "
+                                  f"(it holds {child!r})")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def build_run_config(data: dict[str, Any]) -> RunConfig:
+    """``RunConfig`` from plain data, with the cross-section checks (not the world-size one)."""
+    cfg = from_dict(RunConfig, data, "")
+    check_cross_sections(cfg)
+    return cfg
+
+
+def load_run_config(path: str | Path, overrides: Sequence[str] = (), *, world_size: int | None = None) -> RunConfig:
+    """Read ``path``, apply ``overrides``, validate; with ``world_size`` also the batch arithmetic."""
+    data = apply_overrides(load_yaml(path), overrides)
+    try:
+        cfg = build_run_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    if world_size is not None:
+        check_world_size(cfg, world_size)
+    return cfg
+
+
+def check_world_size(cfg: RunConfig, world_size: int) -> None:
+    """``micro x accumulation x world == global``, as a ``ConfigError`` naming the keys."""
+    try:
+        solve_batch_sizes(cfg.deepspeed, world_size)
+    except ValueError as e:
+        raise ConfigError(f"{e} (world size {world_size})") from e
+
+
+def check_cross_sections(cfg: RunConfig) -> None:
+    """Checks spanning sections: sequence length, and the tensorization vs the model dimensions."""
+    if cfg.data.seq_len > cfg.model.max_positions:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions="
+                          f"{cfg.model.max_positions}")
+    if cfg.comera.enabled:
+        check_factorization(cfg.model, cfg.comera)
+
+
+def layer_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(rows, cols) of each tensorizable layer kind: linear (in, out), embedding (vocab, hidden)."""
+    h, f = model.hidden_size, model.intermediate_size
+    return {"attention": (h, h), "ffn_in": (h, f), "ffn_out": (f, h), "embedding": (model.vocab_size, h)}
+
+
+def check_factorization(model: ModelConfig, comera: ComeraConfig) -> None:
+    """Explicit modes must multiply to the layer dims; automatic ones must exist (no mode of 1)."""
+    t = comera.tensorize
+    enabled = {"attention": t.attention, "ffn_in": t.ffn, "ffn_out": t.ffn, "embedding": t.embedding}
+    for kind, (rows, cols) in layer_dims(model).items():
+        if not enabled[kind]:
+            continue
+        key = f"comera.tensorize.modes.{kind}"
+        if kind in t.modes:
+            first, second = t.modes[kind]
+            if kind == "embedding":
+                if math.prod(first) < rows or math.prod(second) != cols:
+                    raise ConfigError(f"{key}: row modes {first} (product {math.prod(first)}) must cover "
+                                      f"model.vocab_size={rows} and column modes {second} (product "
+                                      f"{math.prod(second)}) must equal model.hidden_size={cols}")
+            elif math.prod(first) != rows or math.prod(second) != cols:
+                raise ConfigError(f"{key}: modes {first} x {second} multiply to {math.prod(first)} x "
+                                  f"{math.prod(second)}, but the layer is {rows} x {cols}")
+            continue
+        if kind == "embedding":
+            continue  # row modes may pad the vocabulary, so an automatic TTM factorization always exists
+        d = t.num_cores // 2
+        for what, n in (("input", rows), ("output", cols)):
+            modes = factorize(n, d)
+            if d > 1 and 1 in modes:
+                raise ConfigError(f"comera.tensorize.num_cores={t.num_cores}: the {kind} {what} dimension {n} "
+                                  f"has no factorization into {d} modes > 1 (got {modes}); set {key} "
+                                  "explicitly or change num_cores")
+
+
+def resolved_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The fully resolved config as plain data (what is saved beside every checkpoint)."""
+    return to_dict(cfg)

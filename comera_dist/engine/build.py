@@ -1,0 +1,58 @@
+"""Building the model (``deepspeed.zero.Init`` at ZeRO-3) and the DeepSpeed engine with param groups by role."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+from torch import nn
+
+from comera_dist.compression.config import ComeraConfig
+from comera_dist.compression.groups import param_groups
+from comera_dist.engine.config import DeepSpeedSection, to_deepspeed_dict
+from comera_dist.engine.distributed import disable_shm_op
+
+ModelFactory = Callable[[], nn.Module]
+
+
+@dataclass(slots=True)
+class Built:
+    """What ``deepspeed.initialize`` returned, plus the JSON it was given."""
+
+    engine: Any
+    optimizer: Any
+    scheduler: Any
+    ds_config: dict[str, Any]
+    group_names: list[str]
+
+
+def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_size: int,
+                    partitioned: bool) -> nn.Module:
+    """``factory()``; under ``deepspeed.zero.Init`` when ZeRO-3 and ``partitioned`` (each rank then
+    allocates only its shard: ``p.shape`` is empty and the real shape is ``p.ds_shape``)."""
+    if section.zero_stage == 3 and partitioned:
+        disable_shm_op()
+        # zero.Init needs only the ZeRO/precision part of the config; the lrs are placeholders.
+        cfg = to_deepspeed_dict(section, world_size, total_steps=1, group_lrs=[1.0])
+        context = deepspeed.zero.Init(config_dict_or_path=cfg)
+    else:
+        context = contextlib.nullcontext()
+    with context:
+        return factory()
+
+
+def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection, *, world_size: int,
+               total_steps: int) -> Built:
+    """``deepspeed.initialize`` with AdamW param groups by role (cores, gates, dense) and their lrs."""
+    groups = param_groups(model, comera.lr)
+    if not groups:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters")
+    ds_config = to_deepspeed_dict(section, world_size, total_steps=total_steps,
+                                  group_lrs=[g["lr"] for g in groups], weight_decay=comera.lr.weight_decay)
+    disable_shm_op()
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    return Built(engine=engine, optimizer=optimizer, scheduler=scheduler, ds_config=ds_config,
+                 group_names=[g["name"] for g in groups])

@@ -1,0 +1,221 @@
+"""The ``train:`` and ``deepspeed:`` config sections, batch arithmetic, and the generated DeepSpeed JSON.
+
+The DeepSpeed JSON is never written by hand: ``to_deepspeed_dict`` derives it from the
+typed ``DeepSpeedSection`` (gpt-neox style), and ``solve_batch_sizes`` is the one place
+that reconciles ``train_batch_size = micro_batch_size_per_gpu x gradient_accumulation_steps
+x world_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How long to train, when to evaluate and checkpoint, where to write, how to resume."""
+
+    steps: int = 100
+    """Optimizer steps to train in total (>= 1)."""
+    eval_every: int = 0
+    """Optimizer steps between validation passes; 0 evaluates only at the end (>= 0)."""
+    eval_batches: int = 8
+    """Validation micro-batches per rank in each validation pass (>= 1)."""
+    checkpoint_every: int = 0
+    """Optimizer steps between checkpoints; 0 checkpoints only at the end (>= 0)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk; older ones are deleted after a new one is published (>= 1)."""
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints under ``<output_dir>/checkpoints``, logs and the report beside them."""
+    seed: int = 0
+    """Seed of torch, python and numpy RNGs (the same on every rank; data sharding uses the rank)."""
+    resume: str = "auto"
+    """``auto``: the latest complete checkpoint under the output dir, if any; ``none``: start fresh;
+    anything else: the path of one checkpoint directory (a published tag)."""
+    max_nonfinite_steps: int = 3
+    """K: the run stops (with a checkpoint of the last good state) after K consecutive steps whose
+    global loss is not finite; each such step is skipped and counted (>= 1)."""
+    log_every: int = 10
+    """Optimizer steps between metric logs (>= 1)."""
+    process_group_timeout_s: float = 60.0
+    """Collective timeout: a dead peer fails the job after this long instead of hanging (> 0)."""
+    compile: bool = False
+    """Wrap the model forward in ``torch.compile`` (re-traced after a stage switch or a prune)."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("checkpoint_every", 0),
+                          ("keep_checkpoints", 1), ("max_nonfinite_steps", 1), ("log_every", 1)):
+            value = getattr(self, name)
+            if value < low:
+                raise ValueError(f"train.{name} must be >= {low}, got {value}")
+        if not self.process_group_timeout_s > 0:
+            raise ValueError(f"train.process_group_timeout_s must be > 0, got {self.process_group_timeout_s}")
+        if not self.output_dir:
+            raise ValueError("train.output_dir must be a non-empty path, got ''")
+        if not self.resume:
+            raise ValueError("train.resume must be 'auto', 'none' or a checkpoint path, got ''")
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup, then a decay to the end of training."""
+
+    kind: Literal["constant", "warmup_decay", "warmup_cosine"] = "warmup_decay"
+    """``constant``: no scheduler; ``warmup_decay``: DeepSpeed ``WarmupDecayLR`` (linear decay to 0);
+    ``warmup_cosine``: DeepSpeed ``WarmupCosineLR`` (cosine decay to ``min_ratio`` x lr)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from ``warmup_min_ratio`` x lr to the group's lr (>= 0)."""
+    warmup_min_ratio: float = 0.0
+    """Start of the warmup as a fraction of each group's lr, in [0, 1]."""
+    min_ratio: float = 0.0
+    """End of the cosine decay as a fraction of each group's lr, in [0, 1] (``warmup_cosine`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("warmup_min_ratio", "min_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"scheduler.{name} must be in [0, 1], got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DeepSpeedSection:
+    """The typed DeepSpeed settings; ``to_deepspeed_dict`` turns them into DeepSpeed's JSON."""
+
+    zero_stage: int = 0
+    """ZeRO stage: 0 (data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)."""
+    train_batch_size: int | None = None
+    """Global batch (sequences per optimizer step over all ranks); ``None``: derived."""
+    micro_batch_size_per_gpu: int | None = None
+    """Sequences per rank per forward/backward; ``None``: derived."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches accumulated per optimizer step; ``None``: derived (1 if nothing else fixes it)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision of the working weights; the optimizer keeps fp32 master weights under bf16/fp16."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (>= 0)."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW ``(beta1, beta2)``, each in [0, 1)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (> 0)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The learning-rate schedule."""
+    stage3_param_persistence_threshold: int = 100_000
+    """ZeRO-3: parameters with fewer elements stay unpartitioned after their first use (>= 0;
+    0 partitions everything, which tests use to exercise the partitioned path)."""
+    comms_logger: bool = False
+    """Enable DeepSpeed's communication logger (bytes and latency of every collective)."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("train_batch_size", "micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"deepspeed.{name} must be >= 1 or null, got {value}")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"deepspeed.gradient_clipping must be >= 0, got {self.gradient_clipping}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"deepspeed.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"deepspeed.adam_eps must be > 0, got {self.adam_eps}")
+        if self.stage3_param_persistence_threshold < 0:
+            raise ValueError("deepspeed.stage3_param_persistence_threshold must be >= 0, "
+                             f"got {self.stage3_param_persistence_threshold}")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSizes:
+    """The solved batch arithmetic: ``global_batch = micro x accumulation x world_size``."""
+
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    world_size: int
+
+
+def solve_batch_sizes(section: DeepSpeedSection, world_size: int) -> BatchSizes:
+    """Fill in the unset batch sizes from the set ones and check ``global = micro x accum x world``.
+
+    Any two of the three determine the third; one alone takes ``accum = 1`` (or ``micro``
+    from ``global / world``); none is an error. Raises ``ValueError`` naming the keys.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    g, m, a = section.train_batch_size, section.micro_batch_size_per_gpu, section.gradient_accumulation_steps
+    if g is None and m is None:
+        raise ValueError("deepspeed: set train_batch_size or micro_batch_size_per_gpu (both are null)")
+    if g is None:
+        a = a or 1
+        g = m * a * world_size
+    elif m is None:
+        a = a or 1
+        if g % (a * world_size):
+            raise ValueError(f"deepspeed.train_batch_size={g} is not divisible by gradient_accumulation_steps"
+                             f" x world_size = {a} x {world_size}")
+        m = g // (a * world_size)
+    elif a is None:
+        if g % (m * world_size):
+            raise ValueError(f"deepspeed.train_batch_size={g} is not divisible by micro_batch_size_per_gpu"
+                             f" x world_size = {m} x {world_size}")
+        a = g // (m * world_size)
+    if m * a * world_size != g:
+        raise ValueError(f"deepspeed batch arithmetic: micro_batch_size_per_gpu x gradient_accumulation_steps x"
+                         f" world_size = {m} x {a} x {world_size} = {m * a * world_size}"
+                         f" != train_batch_size = {g}")
+    return BatchSizes(global_batch=g, micro_batch=m, accumulation=a, world_size=world_size)
+
+
+def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps: int,
+                      group_lrs: list[float], weight_decay: float = 0.0) -> dict[str, Any]:
+    """The DeepSpeed JSON for ``section`` on ``world_size`` ranks training ``total_steps`` steps.
+
+    ``group_lrs`` are the learning rates of the parameter groups, in the order they are passed
+    to ``deepspeed.initialize``. The optimizer is DeepSpeed's AdamW with ``torch_adam`` (no JIT
+    op build) and an explicit ``weight_decay``; per-role lrs ride in the parameter groups and
+    the schedulers act relative to each group's own lr.
+    """
+    if not group_lrs or not all(lr > 0 for lr in group_lrs):
+        raise ValueError(f"group_lrs must be a non-empty list of positive lrs, got {group_lrs}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    base_lr = group_lrs[0]
+    sizes = solve_batch_sizes(section, world_size)
+    ds: dict[str, Any] = {
+        "train_batch_size": sizes.global_batch,
+        "train_micro_batch_size_per_gpu": sizes.micro_batch,
+        "gradient_accumulation_steps": sizes.accumulation,
+        "gradient_clipping": section.gradient_clipping,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": base_lr, "betas": list(section.adam_betas), "eps": section.adam_eps,
+                       "weight_decay": weight_decay, "torch_adam": True, "adam_w_mode": True},
+        },
+        "zero_optimization": {"stage": section.zero_stage},
+    }
+    if section.zero_stage == 3:
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = section.stage3_param_persistence_threshold
+    if section.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif section.precision == "fp16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    sched = section.scheduler
+    if sched.kind == "warmup_cosine":
+        # WarmupCosineLR scales each param group's own lr, so per-role lrs survive.
+        ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": max(1, sched.warmup_steps),  # DeepSpeed rejects 0
+            "warmup_min_ratio": sched.warmup_min_ratio, "cos_min_ratio": sched.min_ratio,
+            "warmup_type": "linear"}}
+    elif sched.kind == "warmup_decay":
+        # WarmupDecayLR takes absolute lrs: one per parameter group.
+        ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": max(1, sched.warmup_steps),  # DeepSpeed rejects 0
+            "warmup_min_lr": [sched.warmup_min_ratio * lr for lr in group_lrs],
+            "warmup_max_lr": list(group_lrs), "warmup_type": "linear"}}
+    if section.comms_logger:
+        ds["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
+    return ds

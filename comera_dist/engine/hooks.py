@@ -1,0 +1,119 @@
+"""ZeRO-aware rank hooks: the rank penalty applied to the gates' fp32 master gradients at every ZeRO stage.
+
+Why not just ``loss = L + c * R``? Under ZeRO-3 the gates are partitioned outside their
+layer's forward, so ``R`` cannot be computed from ``model`` parameters in the loss. Instead
+the penalty acts inside the optimizer step, on the full fp32 master state:
+
+1. the objective is evaluated with a detached *proxy* leaf ``R~`` standing in for ``R``, so
+   back-propagation gives the task gradients plus ``c = d objective / d R`` (in ``R~.grad``,
+   with DeepSpeed's accumulation/loss scaling applied exactly as to the task gradients);
+2. at the accumulation boundary, before ``engine.step()``, the full fp32 gates are read
+   (``safe_get_full_fp32_param``), ``dR/dg`` comes from autograd on
+   ``compression.penalty_from_gates``, and ``c * dR/dg`` is added to each gate's full gradient
+   (``safe_get_full_grad`` / ``safe_set_full_grad``).
+
+By the chain rule this is the gradient of ``objective(L, R(g))``; the distributed tests
+check it against plain PyTorch with the penalty in the loss. Every rank adds the same
+penalty gradient (the gates are replicated in value), so adding it before or after the
+data-parallel averaging gives the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_grad
+from torch import Tensor, nn
+
+from comera_dist.compression.penalty import penalty_from_gates
+from comera_dist.compression.walk import tensorized_modules
+
+
+@dataclass(frozen=True, slots=True)
+class GateRef:
+    """One gate vector of one tensorized layer."""
+
+    layer: str
+    bond: int
+    param: nn.Parameter
+    tau: float
+
+
+def gate_refs(model: nn.Module) -> list[GateRef]:
+    """Every gate parameter of every tensorized layer of ``model``, in module order."""
+    return [GateRef(layer=name, bond=k, param=g, tau=float(layer.tau))
+            for name, layer in tensorized_modules(model) for k, g in enumerate(layer.gates)]
+
+
+def full_shape(p: Tensor) -> tuple[int, ...]:
+    """The unpartitioned shape of ``p`` (ZeRO-3 keeps it in ``ds_shape``; ``p.shape`` is empty)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def full_fp32(p: nn.Parameter) -> Tensor:
+    """The full fp32 master value of ``p`` at any ZeRO stage (a collective under ZeRO-3).
+
+    Stage 0 without a master copy returns the module weight itself, as fp32.
+    """
+    value = safe_get_full_fp32_param(p)
+    if value is None:
+        value = p.detach()
+    return value.detach().float().reshape(full_shape(p))
+
+
+@contextlib.contextmanager
+def gathered(params: list[nn.Parameter]) -> Iterator[None]:
+    """Make ZeRO-3 partitioned ``params`` readable in full inside the block (read-only); no-op otherwise."""
+    if any(hasattr(p, "ds_id") for p in params):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+class PenaltyHook:
+    """The rank penalty R of a model and the injection of ``c * dR/dg`` into the gate gradients."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.gates = gate_refs(model)
+
+    @property
+    def active(self) -> bool:
+        """False for a dense model (no gates): R is 0 and nothing is injected."""
+        return bool(self.gates)
+
+    def value(self) -> float:
+        """R from the full fp32 gates (identical on every rank; a collective under ZeRO 1-3)."""
+        if not self.active:
+            return 0.0
+        with torch.no_grad():
+            values = [full_fp32(ref.param) for ref in self.gates]
+            return float(penalty_from_gates(values, [ref.tau for ref in self.gates]))
+
+    def proxy(self) -> Tensor:
+        """A fresh 0-d leaf holding R; after backward its ``.grad`` is ``d objective / d R``."""
+        return torch.tensor(self.value(), dtype=torch.float32, requires_grad=True)
+
+    def inject(self, coef: float) -> None:
+        """Add ``coef * dR/dg`` to the full gradient of every gate (call between backward and step).
+
+        All ranks must call it together (the ZeRO get/set of full gradients are collectives).
+        """
+        if not self.active or coef == 0.0 or not math.isfinite(coef):
+            return
+        values = [full_fp32(ref.param).requires_grad_(True) for ref in self.gates]  # each (r_k,)
+        penalty = penalty_from_gates(values, [ref.tau for ref in self.gates])
+        grads = torch.autograd.grad(penalty, values, allow_unused=True)
+        for ref, d_r in zip(self.gates, grads):
+            if d_r is None:
+                continue
+            current = safe_get_full_grad(ref.param)
+            if current is None:  # the gate took no part in this step's forward
+                continue
+            update = current.float().reshape(full_shape(ref.param)) + coef * d_r  # (r_k,)
+            safe_set_full_grad(ref.param, update.to(current.dtype).reshape(current.shape))

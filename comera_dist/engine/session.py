@@ -1,0 +1,336 @@
+"""``TrainSession``: one DeepSpeed engine training a (tensorized) model with rank control, pruning and resume.
+
+The session owns the engine and everything that must change with it: the rank controller,
+the ZeRO-aware penalty hook, the pruning history (which fixes the current shapes), and the
+checkpoint format. The training loop (``engine/trainer.py``) only calls its methods.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed.comm as dist
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from comera_dist.compression.accounting import compression_report, model_size
+from comera_dist.compression.controller import RankController
+from comera_dist.compression.pruning import PruningPlan
+from comera_dist.compression.walk import tensorized_modules
+from comera_dist.configbase import to_dict
+from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine.build import Built, construct_model, initialize
+from comera_dist.engine.config import solve_batch_sizes
+from comera_dist.engine.hooks import PenaltyHook, full_shape, gate_refs, gathered
+from comera_dist.engine.prune import (gather_full_state, load_full_state, model_at_shapes, prune_full_state,
+                                      restore_optimizer_state)
+from comera_dist.models.gpt import GPT
+
+Batch = Mapping[str, Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one optimizer step did; losses are global (averaged over ranks and micro-batches)."""
+
+    loss: float
+    """The objective back-propagated (task loss and penalty combined by the controller)."""
+    task_loss: float
+    """The task loss L."""
+    penalty: float
+    """The rank penalty R (0 for a dense model)."""
+    lam: float
+    """Late-stage lambda (1: this step optimised size, 0: the task loss); 0 in the early stage."""
+    stage: str
+    """``early`` or ``late``."""
+    skipped_nonfinite: bool
+    """The global loss was not finite: no backward, no optimizer step."""
+    lr: float
+    """Learning rate of the first parameter group (cores when tensorized) after the step."""
+    grad_norm: float
+    """Global gradient norm before clipping (nan when skipped or not computed)."""
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]}
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed for torch, python and numpy on every rank."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class TrainSession:
+    """A DeepSpeed engine plus the CoMERA state around it. Build with :meth:`create`."""
+
+    def __init__(self, cfg, factory: Callable[[], nn.Module], built: Built, *, world_size: int) -> None:
+        self.cfg = cfg
+        self.factory = factory
+        self.world_size = world_size
+        self.batch = solve_batch_sizes(cfg.deepspeed, world_size)
+        self.controller = RankController(cfg.comera.controller)
+        self.plans: list[PruningPlan] = []
+        self.steps_done = 0
+        self.nonfinite_total = 0
+        self._use(built)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, cfg, model_factory: Callable[[], nn.Module], *, world_size: int) -> TrainSession:
+        """Seed, build the model (partitioned at birth under ZeRO-3) and the engine. Collective."""
+        seed_everything(cfg.train.seed)
+        model = construct_model(model_factory, cfg.deepspeed, world_size=world_size, partitioned=True)
+        return cls(cfg, model_factory, cls._initialize(cfg, model, world_size), world_size=world_size)
+
+    @staticmethod
+    def _initialize(cfg, model: nn.Module, world_size: int) -> Built:
+        return initialize(model, cfg.comera, cfg.deepspeed, world_size=world_size, total_steps=cfg.train.steps)
+
+    def _use(self, built: Built) -> None:
+        self.built = built
+        self.engine = built.engine
+        self.penalty = PenaltyHook(self.engine.module)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model inside the engine (replaced after every prune)."""
+        return self.engine.module
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step (``train_step`` takes a list of this many)."""
+        return self.batch.accumulation
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch.micro_batch
+
+    # ------------------------------------------------------------------ training
+    def _global_mean(self, *values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return [v / self.world_size for v in t.tolist()]
+
+    def _forward_loss(self, batch: Batch) -> Tensor:
+        out = self.engine(**batch)
+        return out["loss"]
+
+    def _all_finite(self, micro_batches: Sequence[Batch]) -> bool:
+        """Forward-only probe of every micro-batch (same RNG draws as the real pass), one all-reduce."""
+        rng = torch.get_rng_state()
+        with torch.no_grad():
+            losses = [float(self._forward_loss(b)) for b in micro_batches]
+        torch.set_rng_state(rng)
+        return all(math.isfinite(v) for v in self._global_mean(*losses))
+
+    def size(self) -> int:
+        """The model size S (surviving core parameters), identical on every rank."""
+        refs = [r.param for r in gate_refs(self.module)]
+        if not refs:
+            return 0
+        with gathered(refs):
+            return model_size(self.module)
+
+    def train_step(self, micro_batches: Sequence[Batch] | Batch) -> StepOutput:
+        """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
+
+        A non-finite global loss skips the whole step (no backward, no optimizer update) and
+        counts it; lambda and stage switches are decided from the all-reduced loss and size.
+        """
+        if isinstance(micro_batches, Mapping):
+            micro_batches = [micro_batches]
+        if len(micro_batches) != self.accumulation:
+            raise ValueError(f"train_step: got {len(micro_batches)} micro-batches, the config accumulates "
+                             f"{self.accumulation} (deepspeed.gradient_accumulation_steps)")
+        self.engine.train()
+        if len(micro_batches) > 1 and not self._all_finite(micro_batches):
+            return self._skipped()
+        size = self.size()
+        losses, objectives, lams, coef, r_value = [], [], [], 0.0, 0.0
+        for i, batch in enumerate(micro_batches):
+            task = self._forward_loss(batch)
+            global_loss, global_size = self._global_mean(float(task.detach()), float(size))
+            if not math.isfinite(global_loss):
+                return self._skipped()  # only reachable with one micro-batch: nothing was back-propagated
+            if i == 0 and self.penalty.active:
+                self.controller.advance(self.steps_done + 1, global_loss, int(round(global_size)))
+            if self.penalty.active:
+                proxy = self.penalty.proxy()  # 0-d leaf holding R
+                objective = self.controller.objective(task, proxy, global_loss=global_loss,
+                                                      global_size=int(round(global_size)))
+                r_value = float(proxy.detach())
+            else:
+                proxy, objective = None, task
+            self.engine.backward(objective)
+            if proxy is not None:
+                coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients
+            losses.append(global_loss)
+            objectives.append(self._global_mean(float(objective.detach()))[0])
+            lams.append(float(self.controller.lam or 0) if self.controller.stage == "late" else 0.0)
+            if self.engine.is_gradient_accumulation_boundary():
+                self.penalty.inject(coef)
+            self.engine.step()
+        self.steps_done += 1
+        norm = self.engine.get_global_grad_norm()
+        return StepOutput(loss=sum(objectives) / len(objectives), task_loss=sum(losses) / len(losses),
+                          penalty=r_value, lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
+                          lr=float(self.engine.get_lr()[0]), grad_norm=float("nan") if norm is None else float(norm))
+
+    def _skipped(self) -> StepOutput:
+        self.steps_done += 1
+        self.nonfinite_total += 1
+        return StepOutput(loss=float("nan"), task_loss=float("nan"), penalty=float("nan"), lam=0.0,
+                          stage=self.controller.stage, skipped_nonfinite=True,
+                          lr=float(self.engine.get_lr()[0]), grad_norm=float("nan"))
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> tuple[float, float]:
+        """Global (loss, accuracy) over the label tokens of ``batches``. Collective.
+
+        Every rank must pass the same number of batches. Accuracy is the fraction of label
+        tokens (MLM: masked positions; causal: next tokens) predicted by the arg-max logit.
+        """
+        self.engine.eval()
+        causal = isinstance(self.module, GPT)
+        loss_sum, correct, count = 0.0, 0.0, 0.0
+        for batch in batches:
+            out = self.engine(**batch)
+            logits, labels = out["logits"], batch["labels"]  # (B, T, V), (B, T)
+            if causal:
+                logits, labels = logits[:, :-1], labels[:, 1:]
+            keep = labels != -100  # (B, T)
+            n = float(keep.sum())
+            loss_sum += float(out["loss"]) * n
+            correct += float((logits.argmax(-1) == labels)[keep].sum())
+            count += n
+        self.engine.train()
+        total = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
+        dist.all_reduce(total)
+        loss_sum, correct, count = total.tolist()
+        if count == 0:
+            return float("nan"), float("nan")
+        return loss_sum / count, correct / count
+
+    # ------------------------------------------------------------------ compression state
+    def compression_report(self) -> dict[str, Any]:
+        """``compression.compression_report`` of the model (ZeRO-3 aware: shapes from ``ds_shape``)."""
+        with gathered([r.param for r in gate_refs(self.module)]):
+            return compression_report(self.module)
+
+    def ranks(self) -> dict[str, list[int]]:
+        """Surviving ranks per tensorized layer and bond."""
+        with gathered([r.param for r in gate_refs(self.module)]):
+            return {name: [int(r) for r in layer.ranks()] for name, layer in tensorized_modules(self.module)}
+
+    def bond_dims(self) -> dict[str, list[int]]:
+        """Physical bond sizes per tensorized layer (what pruning shrinks)."""
+        return {name: [full_shape(g)[0] for g in layer.gates] for name, layer in tensorized_modules(self.module)}
+
+    def maybe_prune(self, step: int) -> bool:
+        """At a scheduled step, slice dead ranks out and rebuild the engine; True if shapes changed.
+
+        Collective. The surviving AdamW moments, step count and LR-schedule position carry over.
+        """
+        p = self.cfg.comera.pruning
+        if p.every == 0 or step < p.start_step or step % p.every or not self.penalty.active:
+            return False
+        state = gather_full_state(self.engine)
+        model = model_at_shapes(self.factory, self.plans)
+        load_full_state(model, state)
+        plan = prune_full_state(model, state, p.min_rank)
+        if plan is None:
+            return False
+        self.plans.append(plan)
+        self._rebuild(model, state)
+        return True
+
+    def _rebuild(self, model: nn.Module, state) -> None:
+        sched = self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else None
+        old = self.engine
+        self.engine = None
+        old.destroy()
+        built = self._initialize(self.cfg, model, self.world_size)
+        self._use(built)
+        restore_optimizer_state(self.engine, state, set_master=self.cfg.deepspeed.precision != "fp32")
+        if sched is not None:
+            self.engine.lr_scheduler.load_state_dict(sched)
+        self.engine.global_steps = old.global_steps
+        self.engine.global_samples = old.global_samples
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_root(self) -> Path:
+        return Path(self.cfg.train.output_dir) / "checkpoints"
+
+    def identity(self) -> dict[str, Any]:
+        """The config values a checkpoint must share with the run loading it."""
+        return {"model": to_dict(self.cfg.model), "tensorize": to_dict(self.cfg.comera.tensorize),
+                "comera_enabled": self.cfg.comera.enabled}
+
+    def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, before_publish=None) -> Path:
+        """Checkpoint at ``step`` on every rank (collective); ``client_state`` rides along and returns on resume."""
+        from comera_dist.config import resolved_dict  # config imports engine.config; avoid the cycle at import
+
+        rng = [None] * self.world_size
+        dist.all_gather_object(rng, _rng_state())
+        comera_state = {"step": step, "steps_done": self.steps_done, "nonfinite_total": self.nonfinite_total,
+                        "controller": self.controller.state_dict(), "plans": [pl.to_json() for pl in self.plans],
+                        "rng": rng, "world_size": self.world_size}
+        meta = {"identity": self.identity(), "plans": [pl.to_json() for pl in self.plans],
+                "world_size": self.world_size, "zero_stage": self.cfg.deepspeed.zero_stage}
+        client = {"comera": comera_state, "client": dict(client_state or {})}
+        return ckpt.save(self.engine, self.checkpoint_root, step, client_state=client, meta=meta,
+                         resolved_config=resolved_dict(self.cfg), keep=self.cfg.train.keep_checkpoints,
+                         before_publish=before_publish)
+
+    def resume(self, spec: str) -> dict[str, Any] | None:
+        """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` (None: fresh start).
+
+        A pruned checkpoint is loaded into a model rebuilt at its saved shapes. Collective.
+        """
+        path = ckpt.resolve(spec, self.checkpoint_root)
+        if path is None:
+            return None
+        meta = ckpt.read_meta(path)
+        ckpt.check_compatible(meta, self.identity(), path)
+        if meta["world_size"] != self.world_size:
+            raise ckpt.CheckpointError(f"checkpoint {path} was written by {meta['world_size']} ranks, this job "
+                                       f"has {self.world_size}; convert it with DeepSpeed's universal checkpoint")
+        plans = [PruningPlan.from_json(text) for text in meta["plans"]]
+        if plans != self.plans:
+            model = model_at_shapes(self.factory, plans)
+            old = self.engine
+            self.engine = None
+            old.destroy()
+            self._use(self._initialize(self.cfg, model, self.world_size))
+            self.plans = plans
+        loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
+        if loaded is None:
+            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+        state = client["comera"]
+        self.controller.load_state_dict(state["controller"])
+        self.steps_done = state["steps_done"]
+        self.nonfinite_total = state["nonfinite_total"]
+        _set_rng_state(state["rng"][dist.get_rank()])
+        return dict(client["client"], step=state["step"])

@@ -1,0 +1,88 @@
+"""``run_ranks``: run a function in N real processes (DeepSpeed on gloo, loopback, own port) and collect results.
+
+The DistributedTest-style helper of the distributed tests. Each rank is a fresh ``spawn``
+process with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set, so
+``engine.distributed.init_distributed`` takes the launcher path. The function runs as
+``fn(rank, world_size, *args)``; whatever it returns is pickled to ``<workdir>/result-<rank>.pt``
+and handed back, one entry per rank. A rank that exits non-zero, raises, or outlives the
+timeout fails the test with its exit code, except where ``expect_exit`` allows it (tests that
+kill themselves).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, workdir: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    import torch
+
+    torch.set_num_threads(1)
+    out = Path(workdir) / f"result-{rank}.pkl"
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable[..., Any], workdir: Path, *args: Any, world_size: int = 2, timeout: float = 240.0,
+              expect_exit: dict[int, int] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns each rank's result.
+
+    ``expect_exit`` maps rank -> accepted exit code (e.g. ``-signal.SIGKILL``); such ranks return None.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in workdir.glob("result-*.pkl"):
+        stale.unlink()
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(workdir), args), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGKILL)
+        procs[r].join()
+    expect_exit = expect_exit or {}
+    errors = []
+    for r, p in enumerate(procs):
+        if r in hung:
+            errors.append(f"rank {r} still running after {timeout} s (killed)")
+        elif p.exitcode != expect_exit.get(r, 0):
+            err = workdir / f"error-{r}.txt"
+            detail = err.read_text() if err.exists() else ""
+            errors.append(f"rank {r} exited with {p.exitcode} (expected {expect_exit.get(r, 0)})\n{detail}")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    results = []
+    for r in range(world_size):
+        path = workdir / f"result-{r}.pkl"
+        if path.exists():
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        else:
+            results.append(None)
+    return results

@@ -1,0 +1,63 @@
+"""A tiny tensorized model, deterministic synthetic batches, and the rank functions of the engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comera_dist.config import RunConfig, build_run_config
+
+VOCAB, HIDDEN, SEQ, MICRO = 64, 16, 8, 2
+
+
+def tiny_config(output_dir: Path | str, *, zero_stage: int = 0, steps: int = 4, accumulation: int = 1,
+                late_stage_step: int | None = None, prune_every: int = 0, gamma: float = 0.01,
+                **deepspeed: Any) -> RunConfig:
+    """A 1-block BERT-like MLM with TT attention/FFN (4 cores) and a TTM embedding; dropout off."""
+    data = {
+        "model": {"arch": "bert_mlm", "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": 1,
+                  "num_heads": 2, "intermediate_size": 32, "max_positions": 16, "dropout": 0.0},
+        "comera": {"tensorize": {"num_cores": 4, "embedding_num_cores": 2, "max_rank": 4,
+                                 "embedding_max_rank": 4},
+                   "controller": {"gamma": gamma, "late_stage_step": late_stage_step, "target_ratio": 0.5,
+                                  "target_loss": 3.0},
+                   "pruning": {"every": prune_every, "start_step": 0, "min_rank": 1},
+                   "lr": {"cores": 1e-2, "gates": 5e-2, "dense": 1e-2}},
+        "data": {"seq_len": SEQ},
+        "train": {"steps": steps, "output_dir": str(output_dir), "seed": 0, "keep_checkpoints": 3},
+        "deepspeed": {"zero_stage": zero_stage, "micro_batch_size_per_gpu": MICRO,
+                      "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
+                      "stage3_param_persistence_threshold": 0, "scheduler": {"kind": "constant"},
+                      **deepspeed},
+        "metrics": {"prometheus": False, "progress": False},
+    }
+    return build_run_config(data)
+
+
+def factory(cfg: RunConfig):
+    from comera_dist.models import build_model
+
+    return lambda: build_model(cfg.model, cfg.comera.tensorize)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> dict[str, torch.Tensor]:
+    """Micro-batch ``micro`` of ``rank`` at ``step``: (MICRO, SEQ) ids, MLM labels on ~40% of positions."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    ids = torch.randint(5, VOCAB, (MICRO, SEQ), generator=g)  # (B, T)
+    pick = torch.rand(MICRO, SEQ, generator=g) < 0.4  # (B, T)
+    pick[:, 0] = True  # at least one label per row
+    labels = torch.where(pick, ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "labels": labels}
+
+
+def micro_batches(step: int, rank: int, accumulation: int) -> list[dict[str, torch.Tensor]]:
+    return [batch(step, rank, m) for m in range(accumulation)]
+
+
+def full_params(session) -> dict[str, torch.Tensor]:
+    """Every parameter of the session's model as full fp32 (collective under ZeRO)."""
+    from comera_dist.engine.hooks import full_fp32
+
+    return {n: full_fp32(p).clone() for n, p in session.module.named_parameters()}

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config,
-                          GPT2LMHeadModel, PreTrainedModel)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+)
 
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.models.atomic import atomic_dir

@@ -9,7 +9,8 @@ and ``"embedding"``.
 
 from __future__ import annotations
 
-from typing import Literal, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol
 
 from torch import nn
 

@@ -20,16 +20,23 @@ HF config implies before it is replaced; nothing is found by guessing names.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from comera_dist.layers import TTEmbedding, TTLinear
-from comera_dist.models.factory import (TensorizeSpec, check_modes_used, explicit_modes, is_tensorized,
-                                        tt_from_embedding, tt_from_linear)
+from comera_dist.models.factory import (
+    TensorizeSpec,
+    check_modes_used,
+    explicit_modes,
+    is_tensorized,
+    tt_from_embedding,
+    tt_from_linear,
+)
 
 
 class FusedQKV(nn.Module):

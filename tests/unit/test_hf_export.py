@@ -8,10 +8,19 @@ import dataclasses
 import json
 
 import pytest
-from safetensors import safe_open
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification,
-                          BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.layers import TTEmbedding, TTLinear

@@ -11,8 +11,15 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.pytorch_utils import Conv1D
 
 from comera_dist.compression.config import TensorizeConfig

@@ -7,14 +7,14 @@ from comera_dist.models import ModelConfig
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(hidden_size=30, num_heads=4), r"model.hidden_size \(30\) must be divisible by model.num_heads \(4\)"),
-    (dict(arch="t5"), r"model.arch must be one of .*'t5'"),
-    (dict(num_layers=0), "model.num_layers must be >= 1, got 0"),
-    (dict(vocab_size=-3), "model.vocab_size must be >= 1, got -3"),
-    (dict(dropout=1.0), r"model.dropout must be in \[0, 1\), got 1.0"),
-    (dict(layer_norm_eps=0.0), "model.layer_norm_eps must be > 0"),
-    (dict(num_labels=0), "model.num_labels must be >= 1"),
-    (dict(type_vocab_size=-1), "model.type_vocab_size must be >= 0"),
+    ({"hidden_size": 30, "num_heads": 4}, r"model.hidden_size \(30\) must be divisible by model.num_heads \(4\)"),
+    ({"arch": "t5"}, r"model.arch must be one of .*'t5'"),
+    ({"num_layers": 0}, "model.num_layers must be >= 1, got 0"),
+    ({"vocab_size": -3}, "model.vocab_size must be >= 1, got -3"),
+    ({"dropout": 1.0}, r"model.dropout must be in \[0, 1\), got 1.0"),
+    ({"layer_norm_eps": 0.0}, "model.layer_norm_eps must be > 0"),
+    ({"num_labels": 0}, "model.num_labels must be >= 1"),
+    ({"type_vocab_size": -1}, "model.type_vocab_size must be >= 0"),
 ])
 def test_invalid_values_name_field_and_value(kw, msg):
     with pytest.raises(ValueError, match=msg):

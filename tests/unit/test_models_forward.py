@@ -46,9 +46,9 @@ def test_forward_shapes_loss_and_gradients(arch, spec):
         assert all(g.grad is not None for g in mod.gates), name
 
 
-@pytest.mark.parametrize("flags", [dict(embedding=True, attention=False, ffn=False),
-                                   dict(embedding=False, attention=True, ffn=False),
-                                   dict(embedding=False, attention=False, ffn=True)])
+@pytest.mark.parametrize("flags", [{"embedding": True, "attention": False, "ffn": False},
+                                   {"embedding": False, "attention": True, "ffn": False},
+                                   {"embedding": False, "attention": False, "ffn": True}])
 def test_each_kind_is_tensorized_separately(flags):
     spec = dataclasses.replace(SPEC, **flags)
     model = build_model(tiny("gpt"), spec)

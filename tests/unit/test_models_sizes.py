@@ -11,7 +11,12 @@ from comera_dist.compression.config import TensorizeConfig
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.models import build_model, tensorized_modules
 from comera_dist.models.factory import count_params
-from comera_dist.models.presets import PAPER_EMBEDDING_MAX_RANK, PAPER_MAX_RANK, PAPER_MODES, six_encoder_paper
+from comera_dist.models.presets import (
+    PAPER_EMBEDDING_MAX_RANK,
+    PAPER_MAX_RANK,
+    PAPER_MODES,
+    six_encoder_paper,
+)
 
 SPEC = TensorizeConfig(max_rank=PAPER_MAX_RANK, embedding_max_rank=PAPER_EMBEDDING_MAX_RANK, modes=PAPER_MODES)
 

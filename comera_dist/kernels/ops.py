@@ -98,14 +98,32 @@ def _ttm_lookup_grad(ctx, grad: Tensor):
 _ttm_lookup.register_autograd(_ttm_lookup_grad, setup_context=_ttm_lookup_setup)
 
 
+def _autocast(*tensors: Tensor | None) -> list[Tensor | None]:
+    """Cast float operands to the autocast dtype when autocast is on, as torch does for matmul.
+
+    Custom ops are invisible to autocast, so without this a bf16 activation would meet fp32
+    factors contracted from fp32 cores.
+    """
+    device_type = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device_type):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+
+
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """Fused ``(x L) R + bias``; x (..., N_in), L (N_in, r), R (r, N_out) -> (..., N_out)."""
     lead = x.shape[:-1]
-    y = torch.ops.comera.tt_linear(x.reshape(-1, x.shape[-1]), L, R, bias)  # (T, N_out)
-    return y.reshape(*lead, R.shape[-1])
+    x, L, R = _autocast(x, L, R)
+    # Under autocast the bias add promotes (bf16 + fp32 -> fp32) exactly as in the reference.
+    fused_bias = bias if bias is None or bias.dtype == x.dtype else None
+    y = torch.ops.comera.tt_linear(x.reshape(-1, x.shape[-1]), L, R, fused_bias)  # (T, N_out)
+    y = y.reshape(*lead, R.shape[-1])
+    return y if fused_bias is not None or bias is None else y + bias
 
 
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     """Fused table-free lookup; ids (...) int, A (M1, N1, r), B (r, M2, N2) -> (..., N1*N2)."""
+    A, B = _autocast(A, B)
     out = torch.ops.comera.ttm_lookup(ids.reshape(-1), A, B)  # (T, N1*N2)
     return out.reshape(*ids.shape, out.shape[-1])

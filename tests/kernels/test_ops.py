@@ -73,3 +73,24 @@ def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
     for i, (f, r) in enumerate(zip(fast, ref)):
         if r.requires_grad:
             torch.testing.assert_close(f.grad, r.grad, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"arg {i}: {m}")
+
+
+def test_autocast_matches_the_reference_path():
+    """Custom ops are invisible to autocast: the wrapper casts like torch's matmul, bias add promotes."""
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(20, 18, generator=g), torch.randn(17, generator=g)
+    L, R = torch.randn(18, 5, generator=g) / 18**0.5, torch.randn(5, 17, generator=g) / 5**0.5
+    ids, A, B = torch.tensor([0, 4, 4, 7]), torch.randn(3, 4, 5, generator=g), torch.randn(5, 3, 6, generator=g)
+    results = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, L, R, b, A, B)]
+        with dispatch.use_backend(backend), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = dispatch.tt_linear(leaves[0].to(torch.bfloat16), *leaves[1:4])  # (20, 17)
+            e = dispatch.ttm_lookup(ids, leaves[4].to(torch.bfloat16), leaves[5])  # (4, 12)
+        (y.float().square().sum() + e.float().square().sum()).backward()
+        results[backend] = [y, e] + [t.grad for t in leaves]
+    for i, (ref, got) in enumerate(zip(results["torch"], results["triton"])):
+        assert got.dtype == ref.dtype, f"output {i}: {got.dtype} != {ref.dtype}"
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * scale,
+                                   msg=lambda m, i=i: f"output {i}: {m}")

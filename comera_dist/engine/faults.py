@@ -25,8 +25,8 @@ def parse_steps(spec: str) -> set[int]:
         if not part:
             continue
         try:
-            lo, _, hi = part.partition("-")
-            first, last = int(lo), int(hi or lo)
+            lo, sep, hi = part.partition("-")
+            first, last = int(lo), int(hi if sep else lo)
         except ValueError:
             raise ValueError(f"{ENV_STEPS}={spec!r}: {part!r} is not a step or a range a-b") from None
         if first < 1 or last < first:

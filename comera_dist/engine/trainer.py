@@ -113,6 +113,14 @@ def _compression_metrics(session: TrainSession) -> dict[str, float]:
             "model_params": float(report["leftover_params"] + report["size"])}
 
 
+def _maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
+    """``train.compile``: torch.compile the model forward inside the engine (DeepSpeed's
+    ``engine.compile``). A prune rebuilds the engine around a new module, so it is compiled again;
+    a stage switch changes only the objective outside the module (dynamo guards cover the rest)."""
+    if cfg.train.compile:
+        session.engine.compile()
+
+
 def _format(values: dict[str, float]) -> str:
     keys = ("train_loss", "val_loss", "val_accuracy", "compression_ratio", "stage", "lambda", "tokens_per_second")
     return " ".join(f"{k} {values[k]:.4g}" for k in keys if k in values)
@@ -136,6 +144,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     start = _restore(session, data, guard, resume, info)
     faults = NonFiniteInjector(info.rank)
     faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
+    _maybe_compile(cfg, session)
     if info.rank == 0:
         data.save_tokenizer(Path(cfg.train.output_dir) / "tokenizer")
     metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,
@@ -157,6 +166,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
                             step, guard.consecutive, guard.total)
             if session.maybe_prune(step):
                 faults.attach(session.module)  # the rebuilt engine holds a new module
+                _maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)
                 values.update(_compression_metrics(session))
             elif step % cfg.train.log_every == 0:

@@ -1,0 +1,76 @@
+"""Pure-logic tests of the pieces the failure tests drive through real jobs: the fault-injection
+hook, the non-finite guard and the stop-signal flag (no process group, milliseconds)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from comera_dist.engine.faults import NonFiniteInjector, parse_steps
+from comera_dist.engine.signals import StopRequest
+from comera_dist.engine.trainer import NonFiniteGuard, _due
+
+
+def test_parse_steps():
+    assert parse_steps("") == set()
+    assert parse_steps("3, 5-7,9") == {3, 5, 6, 7, 9}
+    for bad in ("x", "0", "5-3", "2-"):
+        with pytest.raises(ValueError, match="COMERA_FAULT_NONFINITE_STEPS"):
+            parse_steps(bad)
+
+
+class _Toy(nn.Module):
+    def forward(self, x):
+        return {"loss": x.sum(), "logits": x}
+
+
+def test_injector_poisons_only_armed_training_steps_on_chosen_ranks():
+    env = {"COMERA_FAULT_NONFINITE_STEPS": "2", "COMERA_FAULT_RANKS": "0"}
+    model = _Toy()
+    inj = NonFiniteInjector(rank=0, environ=env)
+    inj.attach(model)
+    x = torch.ones(3)
+    inj.arm(1)
+    assert model(x)["loss"].item() == 3.0
+    inj.arm(2)
+    out = model(x)
+    assert math.isnan(out["loss"].item()) and torch.equal(out["logits"], x)
+    inj.arm(2, training=False)  # evaluation inside a poisoned step is never touched
+    assert model(x)["loss"].item() == 3.0
+    other = NonFiniteInjector(rank=1, environ=env)
+    assert not other.enabled_here
+    assert not NonFiniteInjector(rank=0, environ={}).enabled_here
+    with pytest.raises(ValueError, match="COMERA_FAULT_RANKS"):
+        NonFiniteInjector(rank=0, environ={"COMERA_FAULT_NONFINITE_STEPS": "1", "COMERA_FAULT_RANKS": "a"})
+
+
+def test_nonfinite_guard_counts_consecutive_and_total():
+    g = NonFiniteGuard(limit=3)
+    for skipped in (True, False, True, True):
+        g.update(skipped)
+        assert not g.tripped
+    assert (g.consecutive, g.total) == (2, 3)
+    g.update(True)
+    assert g.tripped and g.total == 4
+
+
+def test_due_schedule():
+    assert [s for s in range(1, 11) if _due(s, 3, 10)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if _due(s, 0, 10)] == [10]
+
+
+def test_stop_request_records_signal_and_restores_handlers():
+    before = signal.getsignal(signal.SIGUSR1)
+    stop = StopRequest()
+    assert not stop.requested and not stop.agree()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.requested and stop.signal_name == "SIGUSR1" and stop.agree()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signal_name == "SIGUSR1"  # the first one is kept
+    stop.close()
+    assert signal.getsignal(signal.SIGUSR1) == before

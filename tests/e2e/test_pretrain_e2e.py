@@ -1,0 +1,150 @@
+"""End to end through the installed CLI, as a user runs it (real subprocesses, one rank each):
+
+pretrain on tiny-cpu writes complete checkpoints, the resolved config and a report with PNGs;
+``evaluate`` scores the checkpoint on a local corpus; ``export`` round-trips (dense HF model and
+compact TT form give the checkpoint's logits; the consolidated file holds its weights); bad
+data input is one stderr line, exit 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+COMERA = [sys.executable, "-m", "comera_dist.cli"]
+CACHE = Path(os.environ.get("COMERA_TEST_CACHE", Path(tempfile.gettempdir()) / "comera-dist-test-cache"))
+
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(COMERA_CACHE=str(CACHE), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(extra)
+    return env
+
+
+def comera(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMERA, *args], cwd=REPO, env=env or _env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One tiny-cpu pretraining run (6 steps, checkpoints at 3 and 6, a prune at 3 and 6)."""
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}")
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A local evaluation corpus: a few real source files the tokenizer never saw (this repo's)."""
+    d = tmp_path_factory.mktemp("corpus")
+    for f in sorted((REPO / "comera_dist" / "engine").glob("*.py"))[:4]:
+        (d / f.name).write_text(f.read_text())
+    return d
+
+
+def test_pretrain_writes_checkpoints_config_and_report(run_dir):
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step00000006"
+    for tag in ("step00000003", "step00000006"):
+        assert (ckpts / tag / "COMPLETE").is_file()
+        cfg = (ckpts / tag / "config.yaml").read_text()
+        assert "zero_stage: 1" in cfg and f"output_dir: {run_dir}" in cfg
+    report = (run_dir / "report.md").read_text()
+    pngs = sorted(run_dir.glob("*.png"))
+    assert len(pngs) >= 3 and all(p.stat().st_size > 1000 for p in pngs), pngs
+    for png in pngs:
+        assert png.name in report
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus):
+    p = comera("evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--json", "--batch-size", "4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["checkpoint"].endswith("step00000006")
+    assert result["masked_tokens"] > 0 and result["batches"] > 0
+    assert 0.0 < result["loss"] < 20.0 and 0.0 <= result["accuracy"] <= 1.0
+    # Deterministic: the same masks give the same numbers.
+    again = comera("evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step00000006"), "--data",
+                   str(corpus), "--json", "--batch-size", "4")
+    assert json.loads(again.stdout.strip().splitlines()[-1])["loss"] == result["loss"]
+
+
+def test_export_round_trips(run_dir, tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    from comera_dist.engine.evaluate import load_run
+    from comera_dist.models.tt_io import load_tt
+
+    run = load_run(run_dir)
+    ids = torch.randint(0, run.cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = run.model(ids)["logits"]  # (2, 16, V)
+
+    for fmt in ("dense-hf", "tt", "consolidated"):
+        p = comera("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt), "--format", fmt)
+        assert p.returncode == 0, p.stderr[-3000:]
+    with torch.no_grad():
+        hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "dense-hf").eval()
+        torch.testing.assert_close(hf(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+        tt = load_tt(tmp_path / "tt").eval()
+        torch.testing.assert_close(tt(ids)["logits"], expected, rtol=1e-6, atol=1e-6)
+    state = torch.load(tmp_path / "consolidated" / "consolidated_fp32.pt", weights_only=True)
+    assert state.keys() == run.state.keys()
+    assert all(torch.equal(state[k], run.state[k]) for k in state)
+    assert (tmp_path / "dense-hf" / "tokenizer.json").is_file()
+    # An existing non-empty --out is refused, untouched.
+    p = comera("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "tt"), "--format", "tt")
+    assert p.returncode == 2 and "not an empty directory" in p.stderr
+
+
+def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    errors = [line for line in p.stderr.splitlines() if line.startswith("comera ")]
+    assert len(errors) == 1 and needle in errors[0], p.stderr[-3000:]
+
+
+def test_bad_data_input_exit_2_nothing_written(run_dir, tmp_path):
+    out = tmp_path / "run"
+    base = ["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}"]
+    # The tokenizer has 512 tokens; a 100-row embedding cannot take them.
+    _one_line_exit_2(comera(*base, "--set", "model.vocab_size=100"), "model vocab_size=100")
+    # An empty corpus.
+    (tmp_path / "empty.txt").write_text("\n\n")
+    _one_line_exit_2(comera(*base, "--set", "data.source=files", "--set", f"data.files=[{tmp_path / 'empty.txt'}]"),
+                     "empty")
+    # A missing corpus file.
+    _one_line_exit_2(comera(*base, "--set", "data.source=files", "--set", f"data.files=[{tmp_path / 'nope.txt'}]"),
+                     "nope.txt")
+    # An unreadable cache: the same run's cache with its packed-blocks entry damaged.
+    cache = tmp_path / "cache"
+    blocks = CACHE.glob("blocks-*")
+    for entry in blocks:
+        target = cache / entry.name
+        target.mkdir(parents=True)
+        (target / "comera_meta.json").write_text("{not json")
+    for entry in CACHE.glob("tokenizer-*"):
+        subprocess.run(["cp", "-r", str(entry), str(cache / entry.name)], check=True)
+    _one_line_exit_2(comera(*base, "--set", f"data.cache_dir={cache}"), "unreadable cache entry")
+    assert not out.exists()
+    # Evaluate: a missing checkpoint, an empty corpus.
+    _one_line_exit_2(comera("evaluate", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path)),
+                     "no such directory")
+    _one_line_exit_2(comera("evaluate", "--checkpoint", str(run_dir), "--data", str(tmp_path / "empty.txt")),
+                     "empty corpus")

@@ -8,8 +8,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import datasets
 
@@ -40,10 +41,10 @@ def read_meta(path: Path) -> dict[str, Any] | None:
     meta_file = path / META
     try:
         meta = json.loads(meta_file.read_text())
-        if not isinstance(meta, dict):
-            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
     except (OSError, ValueError) as e:
         raise unreadable(path, f"{meta_file.name}: {e}") from e
+    if not isinstance(meta, dict):
+        raise unreadable(path, f"{meta_file.name}: expected a JSON object, got {type(meta).__name__}")
     return meta
 
 

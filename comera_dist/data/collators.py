@@ -8,7 +8,7 @@ generator per (seed, step, rank) with ``batch_seed``, so a batch's masks depend 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

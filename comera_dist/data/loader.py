@@ -10,7 +10,8 @@ number of ranks continues with the same unseen blocks, re-sliced.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import datasets
 import numpy as np

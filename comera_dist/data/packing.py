@@ -12,9 +12,9 @@ Layout (documented contract for the models):
 
 from __future__ import annotations
 
+import datasets
 import numpy as np
 import pyarrow as pa
-import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 

@@ -7,8 +7,8 @@ import hashlib
 import os
 import sysconfig
 import tokenize
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import datasets
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import datasets
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers

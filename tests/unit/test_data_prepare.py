@@ -6,8 +6,16 @@ import datasets
 import numpy as np
 import pytest
 
-from comera_dist.data import (CacheError, DataConfig, DataError, PackedLoader, TokenizerConfig, check_compat,
-                              evaluation_corpus, prepare_data)
+from comera_dist.data import (
+    CacheError,
+    DataConfig,
+    DataError,
+    PackedLoader,
+    TokenizerConfig,
+    check_compat,
+    evaluation_corpus,
+    prepare_data,
+)
 from comera_dist.data import prepare as prepare_mod
 
 SEQ = 64
@@ -146,3 +154,14 @@ def test_rank_roles_with_a_barrier(tmp_path):
                          show_progress=False)
     loaded = prepare_data(_cfg(tmp_path), rank=1, world_size=2, barrier=lambda: calls.append("r1"))
     assert calls == ["r1", "r0", "r1"] and np.array_equal(_arr(built.train), _arr(loaded.train))
+
+
+def test_progress_bars_on_the_building_rank_only(tmp_path, capfd):
+    prepare_data(_cfg(tmp_path), rank=0, world_size=2, barrier=lambda: None, show_progress=True)
+    err = capfd.readouterr().err
+    assert "reading train files" in err and "tokenizing validation" in err
+    prepare_data(_cfg(tmp_path), rank=1, world_size=2, barrier=lambda: None, show_progress=True)
+    assert "files" not in capfd.readouterr().err
+    prepare_data(_cfg(tmp_path / "quiet"), show_progress=False)
+    quiet = capfd.readouterr().err
+    assert "reading" not in quiet and "tokenizing" not in quiet and "Saving the dataset" not in quiet

@@ -4,7 +4,14 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from comera_dist.data import SPECIAL_TOKENS, CacheError, DataError, TokenizerConfig, load_tokenizer, train_tokenizer
+from comera_dist.data import (
+    SPECIAL_TOKENS,
+    CacheError,
+    DataError,
+    TokenizerConfig,
+    load_tokenizer,
+    train_tokenizer,
+)
 from comera_dist.data.tokenizer import _capped, obtain_tokenizer
 
 CODE = [

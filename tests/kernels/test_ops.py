@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from comera_dist.kernels import dispatch
+from comera_dist.kernels import ops as _ops  # noqa: F401  (importing registers the comera:: ops)
 from comera_dist.tensor.contract import tt_linear_lr, ttm_lookup_pairs
 
 

@@ -53,6 +53,12 @@ def unreadable(path: Path, why: str) -> CacheError:
     return CacheError(f"unreadable cache entry {path} ({why}); delete it to rebuild: rm -rf '{path}'")
 
 
+def missing_after_build(path: Path) -> CacheError:
+    """The error of a rank that waited for the building rank and still finds no entry at ``path``."""
+    return CacheError(f"cache entry {path} is missing after the building rank finished: it may have failed "
+                      "(see its error), or cache_dir is not shared by all ranks of this node")
+
+
 @contextlib.contextmanager
 def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     """Build an entry in a temporary sibling directory, then rename it to ``final`` in one step.

@@ -69,8 +69,7 @@ def build_corpus(cfg: DataConfig, cache_root: Path, *, show_progress: bool = Tru
     meta = cache.read_meta(path)
     if meta is None:
         if not build:
-            raise cache.unreadable(path, "missing after the building rank finished; is cache_dir shared "
-                                         "by all ranks of this node?")
+            raise cache.missing_after_build(path)
         meta = {"filters": plan["filters"]}
         with cache.publish(path, meta) as tmp:
             corpus = _materialize(cfg, plan, cache_root, show_progress)

@@ -80,8 +80,7 @@ def _prepare(cfg: DataConfig, *, build: bool, show_progress: bool) -> PreparedDa
                                     corpus_key=corpus_key, cache_root=root, show_progress=show_progress)
     if cache.read_meta(blocks_path) is None:
         if docs is None:
-            raise cache.unreadable(blocks_path, "missing after the building rank finished; is cache_dir "
-                                                "shared by all ranks of this node?")
+            raise cache.missing_after_build(blocks_path)
         meta: dict = {"seq_len": cfg.seq_len, "objective": cfg.objective}
         with cache.publish(blocks_path, meta) as tmp:
             packed = datasets.DatasetDict({

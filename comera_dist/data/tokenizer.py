@@ -70,8 +70,7 @@ def obtain_tokenizer(train: datasets.Dataset | None, cfg: TokenizerConfig, *, co
     path = cache.entry_dir(cache_root, "tokenizer", key)
     if cache.read_meta(path) is None:
         if train is None:
-            raise cache.unreadable(path, "missing after the building rank finished; is cache_dir shared "
-                                         "by all ranks of this node?")
+            raise cache.missing_after_build(path)
         meta = {"kind": cfg.kind, "requested_vocab": cfg.vocab_size}
         with cache.publish(path, meta) as tmp:
             tok = train_tokenizer(train, cfg, show_progress=show_progress)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
@@ -40,9 +42,13 @@ def split_count(tiles: int, max_split: int, device: torch.device) -> int:
     """
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, max(1, tiles))
+    want = triton.cdiv(2 * _sm_count(device.index or 0), max(1, tiles))
     return max(1, min(want, max_split))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check_same_device(op: str, **tensors: Tensor | None) -> None:

@@ -95,3 +95,19 @@ def test_autocast_matches_the_reference_path():
         scale = ref.abs().max().item()
         torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2 * scale,
                                    msg=lambda m, i=i: f"output {i}: {m}")
+
+
+def test_stride_zero_upstream_gradient():
+    """``.sum().backward()`` hands the op an expanded (stride 0) gradient; both ops must accept it."""
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(20, 18, generator=g), torch.randn(18, 5, generator=g), torch.randn(5, 17, generator=g),
+            torch.tensor([0, 4, 4, 7]), torch.randn(3, 4, 5, generator=g), torch.randn(5, 3, 6, generator=g)]
+    grads = {}
+    for backend in ("torch", "triton"):
+        leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+        with dispatch.use_backend(backend):
+            loss = dispatch.tt_linear(*leaves[:3]).sum() + dispatch.ttm_lookup(*leaves[3:]).sum()
+        loss.backward()
+        grads[backend] = [t.grad for t in leaves if t.requires_grad]
+    for ref, got in zip(grads["torch"], grads["triton"]):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,7 +69,8 @@ def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     process published ``final`` first, its entry is kept and ours discarded (same content key).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_stale_builds(final)
+    tmp = final.parent / f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
@@ -81,6 +83,32 @@ def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_builds(final: Path) -> list[Path]:
+    """Delete temporary build directories of ``final`` left by killed processes of this host.
+
+    Only directories whose recorded process no longer exists here are removed; builds of other
+    hosts (a shared file system) and live builds are left alone. Returns what was removed.
+    """
+    host, removed = socket.gethostname(), []
+    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        tail = tmp.name[len(f".{final.name}.tmp-"):]
+        owner, _, rest = tail.rpartition("-")[0].rpartition("-")  # "<host>-<pid>-<uuid>"
+        if owner == host and rest.isdigit() and not _alive(int(rest)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 @contextlib.contextmanager

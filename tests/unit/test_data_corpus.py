@@ -2,11 +2,14 @@
 
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import datasets
 import pytest
 
-from comera_dist.data import CacheError, DataConfig, DataError, build_corpus
+from comera_dist.data import CacheError, DataConfig, DataError, build_corpus, cache
 from comera_dist.data import corpus as corpus_mod
 
 
@@ -153,3 +156,19 @@ def test_damaged_entry_is_a_clear_error(tmp_path, damage):
         (entry / "validation" / "state.json").write_text("{")
     with pytest.raises(CacheError, match=f"unreadable cache entry {entry} .*delete it to rebuild: rm -rf"):
         build_corpus(cfg, tmp_path / "cache", show_progress=False)
+
+
+def test_builds_left_by_killed_processes_are_swept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    final = tmp_path / "corpus-abc"
+    host = socket.gethostname()
+    stale = tmp_path / f".corpus-abc.tmp-{host}-{dead.pid}-deadbeef"
+    live = tmp_path / f".corpus-abc.tmp-{host}-{os.getpid()}-0badc0de"
+    remote = tmp_path / f".corpus-abc.tmp-other-host-{dead.pid}-12345678"
+    for d in (stale, live, remote):
+        (d / "train").mkdir(parents=True)
+    with cache.publish(final, {"rows": {}}) as tmp:
+        (tmp / "x").write_text("done")
+    assert not stale.exists() and live.exists() and remote.exists()
+    assert (final / "x").read_text() == "done" and cache.read_meta(final) == {"rows": {}}

@@ -119,3 +119,19 @@ def test_backward_through_forced_triton_matches_torch():
         dispatch.tt_linear(x, L, R, b).square().sum().backward()
     for g, t in zip(got, (x, L, R, b)):
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom comera_dist.kernels import dispatch\n"
+            "with dispatch.use_backend('triton'):\n"
+            "    dispatch.tt_linear(torch.randn(4, 16), torch.randn(16, 2), torch.randn(2, 16))\n")
+    env = os.environ | {"TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode != 0
+    assert "RuntimeError: tt_linear: the Triton kernels need CUDA tensors, got cpu" in proc.stderr
+    assert "TRITON_INTERPRET=1" in proc.stderr and "COMERA_KERNELS=torch" in proc.stderr

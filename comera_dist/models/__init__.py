@@ -4,7 +4,7 @@ Import the HF side (``models.hf``, ``models.export``, ``models.tt_io``) explicit
 ``transformers``, which the training path does not need.
 """
 
-from comera_dist.models.build import build_model, tensorized_modules
+from comera_dist.models.build import build_model, count_params, tensorized_modules
 from comera_dist.models.config import ModelConfig
 
-__all__ = ["ModelConfig", "build_model", "tensorized_modules"]
+__all__ = ["ModelConfig", "build_model", "count_params", "tensorized_modules"]

@@ -71,3 +71,8 @@ def _kind_of(name: str) -> str:
 def tensorized_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Dotted name -> every ``TTLinear``/``TTEmbedding`` inside ``model``."""
     return {n: m for n, m in model.named_modules() if isinstance(m, (TTLinear, TTEmbedding))}
+
+
+def count_params(module: nn.Module) -> int:
+    """Parameter elements of ``module``; a tied tensor counts once (``parameters()`` deduplicates)."""
+    return sum(p.numel() for p in module.parameters())

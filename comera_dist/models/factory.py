@@ -151,16 +151,5 @@ def _prod(values: Sequence[int]) -> int:
     return out
 
 
-def count_params(module: nn.Module) -> int:
-    """Unique parameter elements of ``module`` (tied tensors counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
-
-
-__all__ = ["FULL_RANK", "TensorizeSpec", "check_modes_used", "count_params", "explicit_modes", "is_tensorized",
+__all__ = ["FULL_RANK", "TensorizeSpec", "check_modes_used", "explicit_modes", "is_tensorized",
            "make_embedding", "make_linear", "tt_from_embedding", "tt_from_linear"]

@@ -9,8 +9,7 @@ import torch
 
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.layers import TTEmbedding, TTLinear
-from comera_dist.models import build_model, tensorized_modules
-from comera_dist.models.factory import count_params
+from comera_dist.models import build_model, count_params, tensorized_modules
 from comera_dist.models.presets import (
     PAPER_EMBEDDING_MAX_RANK,
     PAPER_MAX_RANK,

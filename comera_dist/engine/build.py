@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,19 +28,28 @@ class Built:
     group_names: list[str]
 
 
-def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_size: int,
-                    partitioned: bool) -> nn.Module:
-    """``factory()``; under ``deepspeed.zero.Init`` when ZeRO-3 and ``partitioned`` (each rank then
-    allocates only its shard: ``p.shape`` is empty and the real shape is ``p.ds_shape``)."""
-    if section.zero_stage == 3 and partitioned:
-        disable_shm_op()
-        # zero.Init needs only the ZeRO/precision part of the config; the lrs are placeholders.
-        cfg = to_deepspeed_dict(section, world_size, total_steps=1, group_lrs=[1.0])
-        context = deepspeed.zero.Init(config_dict_or_path=cfg)
-    else:
-        context = contextlib.nullcontext()
-    with context:
+def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_size: int) -> nn.Module:
+    """``factory()``, partitioned by ``deepspeed.zero.Init`` at ZeRO-3 (``p.shape`` is then empty and
+    the real shape lives in ``p.ds_shape``).
+
+    ``section.zero3_init == "convert"`` builds the whole model first, then hands it to
+    ``zero.Init(module=...)``: always correct, but each rank briefly holds the full model.
+    ``"construct"`` builds inside the ``zero.Init`` context, so no rank ever holds it all;
+    this is only correct for models that initialise every parameter inside the constructor
+    of the module that owns it (a parent re-initialising a child's weight after the child's
+    constructor returned writes into an already partitioned, empty tensor).
+    """
+    if section.zero_stage != 3:
         return factory()
+    disable_shm_op()
+    # zero.Init needs only the ZeRO/precision part of the config; the lrs are placeholders.
+    cfg = to_deepspeed_dict(section, world_size, total_steps=1, group_lrs=[1.0])
+    if section.zero3_init == "construct":
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            return factory()
+    model = factory()
+    deepspeed.zero.Init(module=model, config_dict_or_path=cfg)
+    return model
 
 
 def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection, *, world_size: int,

@@ -105,6 +105,11 @@ class DeepSpeedSection:
     stage3_param_persistence_threshold: int = 100_000
     """ZeRO-3: parameters with fewer elements stay unpartitioned after their first use (>= 0;
     0 partitions everything, which tests use to exercise the partitioned path)."""
+    zero3_init: Literal["convert", "construct"] = "convert"
+    """How ZeRO-3 partitions the model with ``deepspeed.zero.Init``: ``convert`` an already built
+    model (always correct), or ``construct`` it inside the context (no rank ever holds the full
+    model; needs every parameter initialised in its own module's constructor, see
+    ``engine.build.construct_model``)."""
     comms_logger: bool = False
     """Enable DeepSpeed's communication logger (bytes and latency of every collective)."""
 

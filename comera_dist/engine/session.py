@@ -100,7 +100,7 @@ class TrainSession:
     def create(cls, cfg, model_factory: Callable[[], nn.Module], *, world_size: int) -> TrainSession:
         """Seed, build the model (partitioned at birth under ZeRO-3) and the engine. Collective."""
         seed_everything(cfg.train.seed)
-        model = construct_model(model_factory, cfg.deepspeed, world_size=world_size, partitioned=True)
+        model = construct_model(model_factory, cfg.deepspeed, world_size=world_size)
         return cls(cfg, model_factory, cls._initialize(cfg, model, world_size), world_size=world_size)
 
     @staticmethod

@@ -72,11 +72,18 @@ def test_zero_stages_match_single_process(tmp_path):
         r0, r1 = results[0][stage], results[1][stage]
         ref_final, ref_losses = _reference(cfg, r0["init"])
         assert [s.stage for s in r0["steps"]] == ["early", "late", "late"]
+        bad = []
         for name, value in r0["final"].items():
             # both ranks hold the same full values, and they match the single-process run
             torch.testing.assert_close(r1["final"][name], value, rtol=0, atol=0, msg=f"z{stage} {name}")
-            torch.testing.assert_close(value, ref_final[name], rtol=1e-4, atol=1e-5, msg=f"z{stage} {name}")
+            if name.endswith("attn.key.bias"):
+                # Softmax ignores a per-query constant, so this bias has an exactly-zero gradient;
+                # Adam divides its rounding noise (~1e-9) by its own size, so no two reduction orders agree.
+                continue
+            if not torch.allclose(value, ref_final[name], rtol=1e-4, atol=1e-5):
+                bad.append(f"z{stage} {name}: max diff {float((value - ref_final[name]).abs().max()):.3g}")
             assert not torch.equal(value, r0["init"][name]), f"z{stage} {name} did not train"
+        assert not bad, "\n".join(bad)
         assert [s.task_loss for s in r0["steps"]] == [s.task_loss for s in r1["steps"]]
         torch.testing.assert_close([s.task_loss for s in r0["steps"]], ref_losses, rtol=1e-5, atol=1e-6)
     # the gates actually moved under the penalty, and ZeRO-3 really partitioned the parameters

@@ -12,11 +12,13 @@ The loop only calls components. Its contract with the outside world:
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 
 from comera_dist.config import RunConfig, check_world_size
@@ -106,11 +108,25 @@ def _step_metrics(out: Any, step_time: float, tokens: int, guard: NonFiniteGuard
             "nonfinite_steps_total": float(guard.total)}
 
 
-def _compression_metrics(session: TrainSession) -> dict[str, float]:
+def _peak_memory_bytes() -> float:
+    """Peak memory of the busiest rank: CUDA allocator peak, or the process's max RSS on CPU."""
+    if torch.cuda.is_available():
+        value = float(torch.cuda.max_memory_allocated())
+    else:
+        value = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    t = torch.tensor([value], dtype=torch.float64)
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
+    """The slower values (collective: every rank calls it at the same steps)."""
     report = session.compression_report()
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
-            "model_params": float(report["leftover_params"] + report["size"])}
+            "model_params": float(report["leftover_params"] + report["size"]),
+            "peak_memory_bytes": _peak_memory_bytes(), "epoch": float(data.train.epoch)}
 
 
 def _maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
@@ -153,7 +169,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     stop = StopRequest()
     status, step = EXIT_OK, start
     try:
-        metrics.log(_compression_metrics(session), step)
+        metrics.log(_periodic_metrics(session, data), step)
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()
@@ -168,9 +184,9 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
                 faults.attach(session.module)  # the rebuilt engine holds a new module
                 _maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)
-                values.update(_compression_metrics(session))
+                values.update(_periodic_metrics(session, data))
             elif step % cfg.train.log_every == 0:
-                values.update(_compression_metrics(session))
+                values.update(_periodic_metrics(session, data))
                 metrics.log_ranks(session.ranks(), step)
             if _due(step, cfg.train.eval_every, cfg.train.steps):
                 values["val_loss"], values["val_accuracy"] = session.evaluate(data.validation_batches())

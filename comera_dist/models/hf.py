@@ -146,31 +146,35 @@ def tensorize(hf_model: nn.Module, spec: TensorizeSpec, init: str = "svd") -> nn
     if init not in ("svd", "random"):
         raise ValueError(f"init must be 'svd' or 'random', got {init!r}")
     amap = arch_map(hf_model)
+    todo = [(name, kind, shape) for name, kind, shape in mapped_layers(hf_model) if is_tensorized(spec, kind)]
+    # Check everything before replacing anything: a bad model or spec leaves hf_model untouched.
     shapes: dict[str, set[tuple[int, int]]] = {}
-    for name, kind, (n_in, n_out) in mapped_layers(hf_model):
-        if not is_tensorized(spec, kind):
-            continue
+    for name, kind, (n_in, n_out) in todo:
+        _check_dense(name, hf_model.get_submodule(name), n_in, n_out, amap.conv1d)
+        fused = amap.fused_qkv is not None and name.endswith(amap.fused_qkv)
+        shapes.setdefault(kind, set()).add((n_in, n_out // 3 if fused else n_out))
+    check_modes_used(spec, shapes)
+    if is_tensorized(spec, "embedding"):
+        emb, c = hf_model.get_submodule(amap.embedding), hf_model.config
+        if not isinstance(emb, nn.Embedding) or tuple(emb.weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"{amap.embedding}: expected nn.Embedding({c.vocab_size}, {c.hidden_size}) from the "
+                             f"config, got {emb}")
+        explicit_modes(spec, "embedding", c.vocab_size, c.hidden_size)  # raises on a bad override
+    for name, kind, (_n_in, n_out) in todo:
         mod = hf_model.get_submodule(name)
-        _check_dense(name, mod, n_in, n_out, amap.conv1d)
-        if amap.fused_qkv and name.endswith(amap.fused_qkv):
+        if amap.fused_qkv is not None and name.endswith(amap.fused_qkv):
             parts = [_linear_slice(mod, j * (n_out // 3), n_out // 3) for j in range(3)]
             new: nn.Module = FusedQKV(*(_to_tt(p, spec, kind, init) for p in parts))
-            shapes.setdefault(kind, set()).add((n_in, n_out // 3))
         else:
             new = _to_tt(_as_linear(mod), spec, kind, init)
-            shapes.setdefault(kind, set()).add((n_in, n_out))
         hf_model.set_submodule(name, new)
-    check_modes_used(spec, shapes)
     if is_tensorized(spec, "embedding"):
         _tensorize_embedding(hf_model, amap, spec, init)
     return hf_model
 
 
 def _tensorize_embedding(hf_model: nn.Module, amap: ArchMap, spec: TensorizeSpec, init: str) -> None:
-    emb = hf_model.get_submodule(amap.embedding)
-    c = hf_model.config
-    if not isinstance(emb, nn.Embedding) or tuple(emb.weight.shape) != (c.vocab_size, c.hidden_size):
-        raise ValueError(f"{amap.embedding}: expected nn.Embedding({c.vocab_size}, {c.hidden_size}), got {emb}")
+    emb, c = hf_model.get_submodule(amap.embedding), hf_model.config
     if amap.head is not None:
         head = hf_model.get_submodule(amap.head)
         if head.weight is emb.weight:  # untie: the dense head keeps its own copy of the table

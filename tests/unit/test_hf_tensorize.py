@@ -132,3 +132,9 @@ def test_bad_models_and_arguments_are_clear_errors():
         tensorize(broken, FULL)
     with pytest.raises(ValueError, match=r"tensorize.modes\['ffn_out'\].*factorizes 16x16"):
         tensorize(make("gpt2"), dataclasses.replace(FULL, modes={"ffn_out": [[4, 4], [4, 4]]}))
+    # Nothing was replaced by the calls that failed.
+    assert not any(isinstance(m, (TTLinear, TTEmbedding)) for m in broken.modules())
+    gpt2 = make("gpt2")
+    with pytest.raises(ValueError, match=r"tensorize.modes\['embedding'\].*cannot hold a 60x16 table"):
+        tensorize(gpt2, dataclasses.replace(FULL, modes={"embedding": [[7, 8], [4, 4]]}))
+    assert not any(isinstance(m, (TTLinear, TTEmbedding, FusedQKV)) for m in gpt2.modules())

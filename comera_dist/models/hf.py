@@ -6,8 +6,9 @@ layer kind), and every mapped module is checked for its type and for the shape t
 HF config implies before it is replaced; nothing is found by guessing names.
 
 - ``tensorize(hf_model, spec, init="svd")``: pretrained dense weights -> TT-SVD at ``spec.max_rank``
-  (exact when the rank bound reaches the full TT ranks); ``init="random"``: fresh Gaussian cores
-  (pretraining from scratch). Biases stay dense and are copied.
+  (exact when the rank bound reaches the full TT ranks: use ``max_rank = embedding_max_rank =
+  factory.FULL_RANK``); ``init="random"``: fresh Gaussian cores (pretraining from scratch). Biases
+  stay dense and are copied.
 - GPT-2 stores ``Conv1D`` weights as ``(in, out)`` and fuses Q, K, V into one ``c_attn``; it becomes
   ``FusedQKV`` (three TT layers, outputs concatenated) so Q, K, V are tensorized like the paper's.
 - Tied embeddings: a TT table cannot be shared with a dense LM head, so tensorizing the embedding

@@ -46,7 +46,7 @@ def split_count(tiles: int, max_split: int, device: torch.device) -> int:
     return max(1, min(want, max_split))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

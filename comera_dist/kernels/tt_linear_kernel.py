@@ -133,6 +133,9 @@ def _tt_linear_bwd_w_kernel(
 ):
     """Split-T reductions: programs [0, N_K_BLOCKS) make dL partials, the rest dR/db partials.
 
+    The two branches use distinct accumulator names: compiled Triton requires a name to keep
+    one type across ``if``/``else`` (the interpreter does not check this).
+
     Partial sums are fp32, shaped (splits, N_in, R_PAD), (splits, R_PAD, N_out), (splits, N_out);
     the wrapper sums over the split axis (deterministic, no atomics).
     """
@@ -144,20 +147,20 @@ def _tt_linear_bwd_w_kernel(
     if pid < N_K_BLOCKS:
         k = pid * BLOCK_K + tl.arange(0, BLOCK_K)  # (BK,)
         mask_k = k < N_IN
-        acc = tl.zeros((BLOCK_K, R_PAD), dtype=tl.float32)  # (BK, RP) = sum_t X[t, k]^T G[t]
+        acc_l = tl.zeros((BLOCK_K, R_PAD), dtype=tl.float32)  # (BK, RP) = sum_t X[t, k]^T G[t]
         for t0 in range(t_begin, t_end, BLOCK_M):
             t = t0 + tl.arange(0, BLOCK_M)
             mask_t = t < t_end
             x_t = tl.load(x_ptr + k[:, None] * stride_xk + t[None, :] * stride_xm,
                           mask=mask_k[:, None] & mask_t[None, :], other=0.0)  # (BK, BM) = X^T tile
             g = tl.load(g_ptr + t[:, None] * R_PAD + offs_r[None, :], mask=mask_t[:, None], other=0.0)  # (BM, RP)
-            acc = _mma(x_t, g, acc, DOT_FP32, PRECISION)
-        tl.store(dl_ptr + split * N_IN * R_PAD + k[:, None] * R_PAD + offs_r[None, :], acc,
+            acc_l = _mma(x_t, g, acc_l, DOT_FP32, PRECISION)
+        tl.store(dl_ptr + split * N_IN * R_PAD + k[:, None] * R_PAD + offs_r[None, :], acc_l,
                  mask=mask_k[:, None])
     else:
         n = (pid - N_K_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         mask_n = n < N_OUT
-        acc = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)  # (RP, BN) = sum_t H[t]^T dY[t, n]
+        acc_r = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)  # (RP, BN) = sum_t H[t]^T dY[t, n]
         acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # (BN,) = sum_t dY[t, n]
         for t0 in range(t_begin, t_end, BLOCK_M):
             t = t0 + tl.arange(0, BLOCK_M)
@@ -167,11 +170,11 @@ def _tt_linear_bwd_w_kernel(
             if NEED_DR:
                 h_t = tl.load(h_ptr + t[None, :] * R_PAD + offs_r[:, None], mask=mask_t[None, :],
                               other=0.0)  # (RP, BM) = H^T tile
-                acc = _mma(h_t, dy, acc, DOT_FP32, PRECISION)
+                acc_r = _mma(h_t, dy, acc_r, DOT_FP32, PRECISION)
             if NEED_DB:
                 acc_b += tl.sum(dy.to(tl.float32), axis=0)
         if NEED_DR:
-            tl.store(dr_ptr + split * R_PAD * N_OUT + offs_r[:, None] * N_OUT + n[None, :], acc,
+            tl.store(dr_ptr + split * R_PAD * N_OUT + offs_r[:, None] * N_OUT + n[None, :], acc_r,
                      mask=mask_n[None, :])
         if NEED_DB:
             tl.store(db_ptr + split * N_OUT + n, acc_b, mask=mask_n)

@@ -1,0 +1,186 @@
+"""``python -m comera_dist.bench six-encoder``: the paper's six-encoder, dense vs CoMERA, per batch size.
+
+The workload (also used by ``galore``, ``memory``, ``prune-payoff`` and the ``memory-probe``
+worker): the six-encoder classifier of CoMERA section 6 (d=768, 12 heads, FFN 3072, vocab 30522,
+sequence length 128), built by ``models.build_model`` from ``presets.six_encoder_paper`` and the
+paper's modes (``PAPER_MODES``, TT rank 30, TTM rank 32) exactly as ``configs/six-encoder.yaml``
+sets them. One training step = forward + backward + optimizer step on a random batch of token
+ids and labels:
+
+- ``dense``: the untensorized model, ``torch.optim.AdamW``;
+- ``comera``: the tensorized model, AdamW over the per-role groups of
+  ``compression.groups.param_groups``, the loss through ``RankController.objective`` (task loss
+  + gamma * rank penalty in the early stage), exactly what the engine back-propagates;
+- ``galore``: the dense model with ``galore_torch.GaLoreAdamW`` (see ``galore.py``).
+
+``--smoke`` swaps in a tiny model of the same architecture (CI). Peak memory is the measured
+tensor memory of one step (``memory_probe.measure_step``): parameters + gradients + optimizer
+state + peak saved activations.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.memory_probe import measure_step
+from comera_dist.compression.accounting import model_size
+from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
+from comera_dist.compression.controller import RankController
+from comera_dist.compression.groups import param_groups
+from comera_dist.compression.penalty import rank_penalty
+from comera_dist.models import build_model
+from comera_dist.models.config import ModelConfig
+from comera_dist.models.presets import PAPER_EMBEDDING_MAX_RANK, PAPER_MAX_RANK, PAPER_MODES, six_encoder_paper
+
+CONTENDERS = ("dense", "galore", "comera")
+SEQ_LEN = 128
+SMOKE_SEQ_LEN = 16
+GALORE = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+"""galore-torch's recommended settings (its README and the paper's pretraining runs)."""
+
+
+def model_config(*, smoke: bool) -> ModelConfig:
+    """The paper's six-encoder (128 positions), or a tiny one of the same architecture."""
+    if smoke:
+        return ModelConfig(arch="six_encoder_cls", vocab_size=200, hidden_size=48, num_layers=2, num_heads=4,
+                           intermediate_size=96, max_positions=SMOKE_SEQ_LEN, num_labels=3)
+    return six_encoder_paper(max_positions=SEQ_LEN)
+
+
+def tensorize_config(*, smoke: bool) -> TensorizeConfig:
+    """The paper's tensorization (``configs/six-encoder.yaml``), or automatic modes at rank 4."""
+    if smoke:
+        return TensorizeConfig(max_rank=4, embedding_max_rank=4)
+    return TensorizeConfig(modes=PAPER_MODES, max_rank=PAPER_MAX_RANK, embedding_max_rank=PAPER_EMBEDDING_MAX_RANK)
+
+
+def random_batch(model: nn.Module, batch_size: int, *, smoke: bool, seed: int = 0) -> dict[str, Tensor]:
+    """input_ids (B, T) uniform over the vocabulary, labels (B,)."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    seq = SMOKE_SEQ_LEN if smoke else SEQ_LEN
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), generator=gen)  # (B, T)
+    labels = torch.randint(0, cfg.num_labels, (batch_size,), generator=gen)  # (B,)
+    return {"input_ids": ids, "labels": labels}
+
+
+@dataclass(kw_only=True)
+class Contender:
+    """A model, its optimizer and the loss the step back-propagates."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[dict[str, Tensor]], Tensor]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def step(self, batch: dict[str, Tensor]) -> float:
+        """forward + backward + optimizer step; returns the loss."""
+        loss = self.loss(batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+def make_contender(name: str, *, smoke: bool, seed: int = 0) -> Contender:
+    """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture)."""
+    if name not in CONTENDERS:
+        raise ValueError(f"contender must be one of {list(CONTENDERS)}, got {name!r}")
+    torch.manual_seed(seed)
+    cfg = model_config(smoke=smoke)
+    lr = LrConfig()
+    if name == "comera":
+        model = build_model(cfg, tensorize_config(smoke=smoke))
+        opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay)
+        controller = RankController(ControllerConfig())
+
+        def comera_loss(batch: dict[str, Tensor]) -> Tensor:
+            task = model(**batch)["loss"]
+            # early stage: task + gamma * R; global values are this process's (one process)
+            return controller.objective(task, rank_penalty(model), global_loss=float(task.detach()),
+                                        global_size=model_size(model))
+
+        return Contender(name=name, model=model, optimizer=opt, loss=comera_loss)
+    model = build_model(cfg, None)
+    extra: dict[str, Any] = {}
+    if name == "dense":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr.dense, weight_decay=lr.weight_decay)
+    else:
+        opt, extra = galore_optimizer(model, smoke=smoke, lr=lr.dense)
+    return Contender(name=name, model=model, optimizer=opt, loss=lambda batch: model(**batch)["loss"], extra=extra)
+
+
+def galore_optimizer(model: nn.Module, *, smoke: bool, lr: float) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+    """GaLoreAdamW at the recommended settings on every 2-D weight whose smaller side exceeds the rank.
+
+    Matrices with a side <= rank (the 128 x 768 position table, the 2 x 768 token types, the
+    3 x 768 classifier) gain nothing from a rank-128 projection and stay in plain AdamW groups,
+    as in GaLore's own scripts. The 30522 x 768 word table is projected too.
+    """
+    from galore_torch import GaLoreAdamW
+
+    settings = dict(GALORE, rank=8) if smoke else dict(GALORE)
+    low_rank, regular = [], []
+    for p in model.parameters():
+        (low_rank if p.dim() == 2 and min(p.shape) > settings["rank"] else regular).append(p)
+    groups = [{"params": regular}, {"params": low_rank, **settings}]
+    extra = {"galore": settings, "galore_params": sum(p.numel() for p in low_rank),
+             "adamw_params": sum(p.numel() for p in regular)}
+    return GaLoreAdamW(groups, lr=lr, weight_decay=0.0), extra
+
+
+def time_steps(c: Contender, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
+    """Median and min wall time of ``steps`` full training steps (after the caller's warm-up)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        c.step(batch)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times)}
+
+
+def main(argv: list[str]) -> int:
+    p = base_parser("six-encoder", "six-encoder step time and memory, dense vs CoMERA, batch 1/8/32")
+    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = p.parse_args(argv)
+    steps = args.steps or 2
+    sizes = [args.batch_size] if args.batch_size else args.batch_sizes
+    if steps < 1 or any(b < 1 for b in sizes):
+        p.error(f"--steps and batch sizes must be >= 1, got steps={steps}, sizes={sizes}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
+    rows: list[dict[str, Any]] = []
+    for b in sizes:
+        for name, c in contenders.items():
+            batch = random_batch(c.model, b, smoke=args.smoke)
+            mem = measure_step(c.model, c.optimizer, lambda c=c, batch=batch: c.loss(batch))  # also the warm-up
+            t = time_steps(c, batch, steps)
+            rows.append({"contender": name, "batch": b, "step_s": t["median_s"], "step_min_s": t["min_s"],
+                         "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
+                         "peak_tensor_MiB": mem.total_bytes / 2**20, "activations_MiB": mem.activations_bytes / 2**20,
+                         "params": sum(q.numel() for q in c.model.parameters())})
+    metrics: dict[str, float] = {}
+    for b in sizes:
+        by = {r["contender"]: r for r in rows if r["batch"] == b}
+        metrics[f"speedup_vs_dense_b{b}"] = by["dense"]["step_s"] / by["comera"]["step_s"]
+        metrics[f"memory_ratio_dense_over_comera_b{b}"] = by["dense"]["peak_tensor_MiB"] / by["comera"]["peak_tensor_MiB"]
+    config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
+              "target": {"speedup_vs_dense_b32": 5.0}, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    write_result(args.json, "six-encoder", metrics, rows, config)
+    return 0

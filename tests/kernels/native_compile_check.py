@@ -15,12 +15,12 @@ import sys
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     sys.exit("run with TRITON_INTERPRET unset: the kernels must be compiled, not interpreted")
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from comera_dist.kernels import tt_linear_kernel, ttm_lookup_kernel  # noqa: E402
+from comera_dist.kernels import tt_linear_kernel, ttm_lookup_kernel
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
          torch.int32: "i32"}
@@ -86,7 +86,7 @@ def main() -> int:
         seen.add(key)
         compiled = triton.compile(ASTSource(kernel, sig, constexprs=const), target=target)
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
-        dtype = next(v for v in sig.values() if v.startswith("*f") or v.startswith("*b"))
+        dtype = next(v for v in sig.values() if v.startswith(("*f", "*b")))
         print(f"compiled {kernel.__name__} sm_90 {dtype} {dict(sorted(constexprs.items()))} "
               f"shared={compiled.metadata.shared}B")
     print(f"OK {len(seen)} kernel variants compiled for sm_90")

@@ -29,7 +29,8 @@ SlurmdPort=$((PORT + 1))
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MS
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket=$MS,cred_expire=10
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool/%n
 SlurmctldPidFile=$D/run/slurmctld.pidfile

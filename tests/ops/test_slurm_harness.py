@@ -1,0 +1,97 @@
+"""Real Slurm on loopback (1 node, 2 emulated nodes) driving slurm/pretrain.sh with a small real gloo program.
+
+These prove the script's plumbing (srun per node, torchrun c10d rendezvous over the
+nodes' NodeAddr, log per job, USR1 forward, requeue, --resume auto) with
+``tests/ops/programs/count_steps.py``; test_slurm_pretrain.py runs the real trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+from conftest import REPO, requires_slurm
+from slurmharness import cpu_overrides, free_port_block
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]
+PROGRAM = "tests/ops/programs/count_steps.py"
+
+
+def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.1):
+    log = tmp_path / "job.out"
+    job = cluster.sbatch(f"--nodes={nodes}", *cpu_overrides(log, COMERA_TRAIN_SCRIPT=PROGRAM,
+                                                            COMERA_RDZV_PORT=str(free_port_block(1))),
+                         REPO / "slurm/pretrain.sh", "README.md",
+                         "--set", f"steps={steps}", "--set", f"out={tmp_path / 'run'}", "--set", f"step_s={step_s}")
+    return job, log
+
+
+def test_trivial_batch_job_runs(slurm_1node, tmp_path):
+    job = slurm_1node.sbatch(f"--output={tmp_path}/%j.out", "--wrap", "echo node=$SLURMD_NODENAME; exit 3")
+    info = slurm_1node.wait(job, timeout=60)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "3:0")
+    assert (tmp_path / f"{job}.out").read_text().strip() == "node=localhost"
+
+
+def test_dry_run_prints_resolved_launch(slurm_1node):
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "README.md", "--set", "x=1"], cwd=REPO,
+                       env=slurm_1node.env | {"COMERA_DEVICE": "cpu"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "--rdzv-endpoint 127.0.0.1:20000" in r.stdout
+    assert "launch/train.py --config README.md --resume auto --set x=1" in r.stdout
+
+
+def test_bad_config_path_is_a_clear_error(slurm_1node):
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/nope.yaml"], cwd=REPO,
+                       env=slurm_1node.env, capture_output=True, text=True)
+    assert r.returncode == 2 and "config file 'configs/nope.yaml' not found" in r.stderr
+
+
+def test_sbatch_test_only_accepts_gpu_defaults_overridden(slurm_1node, tmp_path):
+    # the script's own #SBATCH lines (gpu partition, 8 GPUs, 64 CPUs) do not fit here; overrides do
+    bad = slurm_1node.run("sbatch", "--test-only", REPO / "slurm/pretrain.sh", "README.md", check=False)
+    ok = subprocess.run(["sbatch", "--test-only", *cpu_overrides(tmp_path / "x.out"), REPO / "slurm/pretrain.sh",
+                         "README.md"], env=slurm_1node.env, cwd=REPO, capture_output=True, text=True)
+    assert "to start at" in ok.stderr, ok.stderr
+    assert "to start at" not in bad
+
+
+def test_one_node_job_completes_with_log_and_checkpoint(slurm_1node, tmp_path):
+    job, log = _submit(slurm_1node, tmp_path, steps=5)
+    info = slurm_1node.wait(job, timeout=120)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text
+    assert "rank 0/2" in text and "rank 1/2" in text and "saved checkpoint at step 5 (done)" in text
+    assert json.loads((tmp_path / "run/checkpoint.json").read_text()) == {"step": 5, "world": 2}
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
+    job, log = _submit(slurm_1node, tmp_path, steps=150, step_s=0.05)
+    slurm_1node.wait_for_text(log, r"^step 10$", timeout=120, job_id=job)
+    slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = slurm_1node.wait(job, timeout=240)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        text + slurm_1node.logs()
+    stopped = int(re.search(r"saved checkpoint at step (\d+) \(stop SIGUSR1\)", text).group(1))
+    assert 10 <= stopped < 150
+    assert "requeueing job" in text
+    # the requeued run resumed where the first stopped and finished the remaining steps
+    assert re.search(rf"rank 0/2 .* start step {stopped}\b", text), text
+    assert f"step {stopped + 1}\n" in text and "saved checkpoint at step 150 (done)" in text
+    assert json.loads((tmp_path / "run/checkpoint.json").read_text())["step"] == 150
+
+
+def test_two_emulated_nodes_rendezvous(slurm_2nodes, tmp_path):
+    job, log = _submit(slurm_2nodes, tmp_path, steps=3, nodes=2)
+    info = slurm_2nodes.wait(job, timeout=120)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text
+    # 2 nodes x 2 processes in one process group, rendezvous on the head node's NodeAddr
+    assert "on 2 node(s) (n[1-2]), head n1=127.0.0.1" in text
+    ranks = re.findall(r"^rank (\d)/4 on \S+ node (n\d) MASTER_ADDR=127\.0\.0\.1 start step 0$", text, re.M)
+    assert sorted(r for r, _ in ranks) == ["0", "1", "2", "3"], text
+    assert sorted(n for _, n in ranks) == ["n1", "n1", "n2", "n2"], text  # one torchrun per node, 2 procs each
+    assert "saved checkpoint at step 3 (done)" in text

@@ -37,6 +37,11 @@ class MetricsConfig:
     bonds beyond it are dropped from the exporter (counted in ``comera_tt_rank_series_dropped``) but
     still reach the report."""
 
+    compression_target: float | None = None
+    """Whole-model compression ratio (dense / current parameters) the run must reach; exported as
+    ``comera_compression_ratio_target`` for the "compression target missed" alert. None: no target
+    (a logged ``target_compression_ratio`` value, if any, is used instead)."""
+
     def __post_init__(self) -> None:
         try:
             ipaddress.ip_address(self.prometheus_host)
@@ -51,5 +56,7 @@ class MetricsConfig:
             raise ValueError(f"metrics.sd_file must be a path or null, got {self.sd_file!r}")
         if self.log_every < 1:
             raise ValueError(f"metrics.log_every must be >= 1, got {self.log_every}")
+        if self.compression_target is not None and not self.compression_target > 0:
+            raise ValueError(f"metrics.compression_target must be > 0 or null, got {self.compression_target}")
         if self.rank_label_limit < 1:
             raise ValueError(f"metrics.rank_label_limit must be >= 1, got {self.rank_label_limit}")

@@ -59,6 +59,8 @@ class Metrics:
             self.exporter = PrometheusExporter(
                 host=cfg.prometheus_host, port=cfg.prometheus_port, sd_file=sd_file, run_name=run_name,
                 world_size=world_size, total_steps=total_steps, rank_label_limit=cfg.rank_label_limit)
+            if cfg.compression_target is not None:
+                self.exporter.set_gauge("target_compression_ratio", cfg.compression_target)
             log.info("metrics: Prometheus endpoint http://%s/metrics (targets in %s)",
                      self.exporter.endpoint, sd_file)
         if cfg.progress:

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import platform
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -122,7 +123,9 @@ class PrometheusExporter:
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        """``host:port`` Prometheus should scrape (a wildcard bind advertises this host's name)."""
+        host = socket.getfqdn() if self.host in ("0.0.0.0", "::", "") else self.host
+        host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.port}"
 
     def update(self, values: Mapping[str, float], step: int) -> None:
@@ -138,6 +141,12 @@ class PrometheusExporter:
                 self._nonfinite_seen = value
         self._gauges.set("comera_train_step", "Last optimizer step logged.", step)
         self._gauges.set("comera_last_step_timestamp_seconds", "Unix time of the last logged step.", time.time())
+
+    def set_gauge(self, key: str, value: float) -> None:
+        """Set the gauge of one standard key (see ``GAUGES``) without touching the step gauges."""
+        if key not in GAUGES:
+            raise KeyError(f"metrics: {key!r} has no gauge; known keys: {sorted(GAUGES)}")
+        self._gauges.set(*GAUGES[key], value)
 
     def update_ranks(self, ranks: Mapping[str, list[int]]) -> None:
         self._gauges.set_ranks(ranks)

@@ -1,0 +1,172 @@
+"""Metrics fan-out on one process: config validation, exporter exposition, rank labels, report files."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from comera_dist.configbase import ConfigError, from_dict
+from comera_dist.metrics import STANDARD_KEYS, Metrics, MetricsConfig, build_metrics
+from comera_dist.metrics.exporter import GAUGES
+
+
+def _scrape(m: Metrics) -> dict[tuple[str, tuple], float]:
+    """Every sample of the live endpoint as {(name, sorted labels): value}, parsed by prometheus-client."""
+    text = urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@pytest.fixture
+def metrics(tmp_path):
+    m = build_metrics(MetricsConfig(progress=False, rank_label_limit=4), rank=0, local_rank=0, world_size=2,
+                      total_steps=10, output_dir=tmp_path, run_name="unit")
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("prometheus_port", 70000, "metrics.prometheus_port must be in [0, 65535], got 70000"),
+    ("log_every", 0, "metrics.log_every must be >= 1, got 0"),
+    ("rank_label_limit", 0, "metrics.rank_label_limit must be >= 1, got 0"),
+    ("prometheus_host", "bad host", "metrics.prometheus_host must be an IP address or host name"),
+    ("sd_file", " ", "metrics.sd_file must be a path or null"),
+    ("compression_target", -1.0, "metrics.compression_target must be > 0 or null, got -1.0"),
+])
+def test_config_rejects_bad_values(key, value, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        from_dict(MetricsConfig, {key: value}, "metrics")
+
+
+def test_config_unknown_key_suggests():
+    with pytest.raises(ConfigError, match="did you mean 'log_every'"):
+        from_dict(MetricsConfig, {"log_evry": 5}, "metrics")
+
+
+def test_exporter_serves_standard_keys_in_base_units(metrics, tmp_path):
+    values = {"train_loss": 2.5, "val_loss": 2.75, "val_accuracy": 0.25, "tokens_per_second": 1234.0,
+              "learning_rate": 1e-4, "stage": 1, "lambda": 1.0, "compression_ratio": 3.5,
+              "compression_ratio_tensorized": 7.0, "model_params": 1000, "peak_memory_bytes": 2**20, "epoch": 2,
+              "step_time_seconds": 0.3, "nonfinite_steps_total": 0, "custom_key": 9.0}
+    metrics.log(values, step=7)
+    got = _scrape(metrics)
+    for key, (name, _) in GAUGES.items():
+        if key in values:
+            assert got[(name, ())] == pytest.approx(float(values[key])), name
+    assert got[("comera_train_step", ())] == 7
+    assert got[("comera_train_total_steps", ())] == 10 and got[("comera_world_size", ())] == 2
+    assert got[("comera_step_time_seconds_count", ())] == 1
+    assert got[("comera_step_time_seconds_bucket", (("le", "0.5"),))] == 1
+    assert got[("comera_step_time_seconds_bucket", (("le", "0.25"),))] == 0
+    assert got[("comera_nonfinite_steps_total", ())] == 0
+    assert not any("custom" in name for name, _ in got)  # unknown keys: report only
+    # never-logged gauges are absent rather than 0 (no fake 1970 checkpoint)
+    assert ("comera_checkpoint_last_success_timestamp_seconds", ()) not in got
+    info = [labels for name, labels in got if name == "comera_build_info"][0]
+    assert dict(info)["torch"] == torch.__version__ and dict(info)["deepspeed"]
+
+
+def test_counters_move_by_increments(metrics):
+    metrics.log({"nonfinite_steps_total": 2}, step=1)
+    metrics.log({"nonfinite_steps_total": 2}, step=2)
+    metrics.log({"nonfinite_steps_total": 5}, step=3)
+    metrics.checkpoint_saved(True, 3)
+    metrics.checkpoint_saved(False, 4)
+    metrics.checkpoint_saved(True, 5)
+    got = _scrape(metrics)
+    assert got[("comera_nonfinite_steps_total", ())] == 5
+    assert got[("comera_checkpoint_saves_total", (("outcome", "success"),))] == 2
+    assert got[("comera_checkpoint_saves_total", (("outcome", "failure"),))] == 1
+    last_ok = [t for _, ok, t in metrics.history.checkpoints if ok][-1]
+    assert got[("comera_checkpoint_last_success_timestamp_seconds", ())] == pytest.approx(last_ok)
+
+
+def test_rank_labels_are_bounded(metrics):
+    metrics.log_ranks({"b.layer": [3, 2], "a.layer": [5, 4, 1]}, step=1)  # 5 bonds, limit 4
+    got = _scrape(metrics)
+    ranks = {dict(lbl)["layer"] + f"[{dict(lbl)['bond']}]": v for (n, lbl), v in got.items() if n == "comera_tt_rank"}
+    assert ranks == {"a.layer[0]": 5, "a.layer[1]": 4, "a.layer[2]": 1, "b.layer[0]": 3}
+    assert got[("comera_tt_rank_series_dropped", ())] == 1
+    assert metrics.history.ranks[-1][1]["b.layer"] == [3, 2]  # the report keeps everything
+
+
+def test_sd_file_names_endpoint_then_withdraws(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    sd = tmp_path / "targets" / "run.json"
+    m = build_metrics(MetricsConfig(progress=False, report=False, sd_file=str(sd)), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path / "out", run_name="sd")
+    assert json.loads(sd.read_text()) == [{"targets": [m.endpoint], "labels": {"run": "sd", "slurm_job_id": "4242"}}]
+    assert m.endpoint.startswith("127.0.0.1:") and int(m.endpoint.split(":")[1]) > 0
+    m.close()
+    assert json.loads(sd.read_text()) == []
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=2)
+
+
+def test_busy_port_is_a_clear_error(metrics, tmp_path):
+    port = int(metrics.endpoint.split(":")[1])
+    with pytest.raises(OSError, match=f"cannot serve Prometheus on 127.0.0.1:{port}"):
+        build_metrics(MetricsConfig(progress=False, prometheus_port=port), rank=0, local_rank=0, world_size=1,
+                      total_steps=1, output_dir=tmp_path / "b", run_name="busy")
+
+
+def test_other_ranks_export_nothing(tmp_path):
+    m = build_metrics(MetricsConfig(), rank=1, local_rank=1, world_size=2, total_steps=5, output_dir=tmp_path,
+                      run_name="r1")
+    m.log({"train_loss": 1.0}, 1)
+    m.log_ranks({"l": [2]}, 1)
+    m.checkpoint_saved(True, 1)
+    m.close()
+    assert m.endpoint is None and m.progress is None and not m.history.scalars
+    assert list(tmp_path.iterdir()) == []  # no targets file, no report
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.log({"train_loss": "x"}, 1), "value of 'train_loss' must be a real number"),
+    (lambda m: m.log({"train_loss": 1.0}, -1), "step must be an int >= 0, got -1"),
+    (lambda m: m.log_ranks({"l": [2, -1]}, 1), "ranks of layer 'l' must be ints >= 0"),
+])
+def test_bad_input_names_the_value(tmp_path, call, message):
+    m = build_metrics(MetricsConfig(prometheus=False, progress=False, report=False), rank=1, local_rank=0,
+                      world_size=2, total_steps=5, output_dir=tmp_path, run_name="bad")
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(m)  # checked on every rank, not only the exporting one
+
+
+def test_bad_rank_argument():
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got rank=2"):
+        Metrics(MetricsConfig(), rank=2, local_rank=0, world_size=2, total_steps=1, output_dir=".", run_name="x")
+
+
+def test_report_markdown_and_pngs(tmp_path):
+    m = build_metrics(MetricsConfig(prometheus=False, progress=True, log_every=2), rank=0, local_rank=0,
+                      world_size=1, total_steps=6, output_dir=tmp_path, run_name="rep")
+    for step in range(6):
+        m.log({"train_loss": 3.0 - 0.1 * step, "compression_ratio": 1.0 + step, "stage": step >= 3,
+               "objective": 9.0}, step)
+        if step % 2 == 0:
+            m.log({"val_loss": 3.1 - 0.1 * step}, step)
+        m.log_ranks({"enc.q": [4, 4 - step // 2], "emb": [8]}, step)
+    m.log({"train_loss": math.nan}, 6)
+    m.checkpoint_saved(True, 6)
+    m.close()
+    md = (tmp_path / "report.md").read_text()
+    assert "# Run report: rep" in md and "- checkpoints: 1 saved, 0 failed" in md
+    assert "- best validation loss: 2.7000 at step 4" in md
+    assert "| objective | 9 | 9 | 9 | 9 |" in md  # unknown keys kept for the report
+    assert "| train_loss | 3 | nan | 2.5 | 3 |" in md
+    assert "| enc.q | [4, 4] -> [4, 2] |" in md
+    for png in ("report_loss.png", "report_compression.png", "report_ranks.png"):
+        assert f"]({png})" in md
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_standard_keys_documented():
+    text = open(__file__.replace("tests/ops/test_metrics.py", "monitoring/README.md")).read()
+    for key in STANDARD_KEYS:
+        assert f"`{key}`" in text, key

@@ -206,8 +206,11 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
                 _checkpoint(session, data, step, guard, metrics, info, reason="schedule")
     finally:
+        metrics.close()  # the report; a stop signal meanwhile only sets the flag
         stop.close()
-        metrics.close()
+    # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which
+    # would kill rank 0 in the middle of writing the report.
+    tdist.barrier()
     return status
 
 

@@ -1,0 +1,129 @@
+"""monitoring/ validated offline: promtool on config and rules, alert unit tests, the dashboard's structure and PromQL."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import urllib.request
+
+import pytest
+import yaml
+from check_dashboard import DASHBOARD, expressions, promtool_errors, provisioned_uids, structure_errors
+from conftest import REPO, requires_prometheus
+
+from comera_dist.metrics import MetricsConfig, build_metrics
+
+pytestmark = requires_prometheus
+MON = REPO / "monitoring"
+RULES = MON / "rules/comera.rules.yml"
+ALERTS = {"ComeraTrainingStalled", "ComeraLossNaN", "ComeraThroughputDrop", "ComeraCheckpointTooOld",
+          "ComeraCompressionTargetMissed"}
+
+
+def _promtool(*args, cwd=MON) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_promtool_check_config_and_rules():
+    r = _promtool("check", "config", "prometheus.yml")
+    assert r.returncode == 0 and "SUCCESS: 1 rule files found" in r.stdout, r.stdout + r.stderr
+    r = _promtool("check", "rules", RULES)
+    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
+
+
+def test_prometheus_yml_discovers_targets_from_files():
+    cfg = yaml.safe_load((MON / "prometheus.yml").read_text())
+    (job,) = cfg["scrape_configs"]
+    assert job["job_name"] == "comera" and "static_configs" not in job
+    assert job["file_sd_configs"][0]["files"] == ["targets/*.json"]
+
+
+def test_alert_rules_unit_tests_pass():
+    r = _promtool("test", "rules", "comera.rules.test.yml", cwd=MON / "rules")
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_every_alert_exists_and_has_a_unit_test():
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == ALERTS
+    tests = yaml.safe_load((MON / "rules/comera.rules.test.yml").read_text())["tests"]
+    tested = {c["alertname"] for t in tests for c in t["alert_rule_test"] if c.get("exp_alerts")}
+    assert tested == ALERTS  # each alert has a case where it fires (and the file has quiet cases too)
+
+
+@pytest.mark.parametrize("alert", sorted(ALERTS))
+def test_unit_tests_catch_a_broken_alert(alert, tmp_path):
+    """Replace one alert's expression by one that never fires: its unit test must fail."""
+    rules = yaml.safe_load(RULES.read_text())
+    for rule in rules["groups"][0]["rules"]:
+        if rule["alert"] == alert:
+            rule["expr"] = "vector(0) > 1"
+    (tmp_path / "comera.rules.yml").write_text(yaml.safe_dump(rules))
+    (tmp_path / "t.yml").write_text((MON / "rules/comera.rules.test.yml").read_text())
+    r = _promtool("test", "rules", "t.yml", cwd=tmp_path)
+    assert r.returncode != 0 and f"alertname: {alert}" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_dashboard_structure(dashboard):
+    assert structure_errors(dashboard, provisioned_uids()) == []
+
+
+@pytest.mark.parametrize("break_it, expected", [
+    (lambda d: d["panels"][1].update(id=d["panels"][0]["id"]), "used 2 times"),
+    (lambda d: d["panels"][0]["gridPos"].update(w=30), "outside the 24-column grid"),
+    (lambda d: d["panels"][1]["gridPos"].update(x=0, y=0), "overlaps panel 1"),
+    (lambda d: d["panels"][2]["targets"][0]["datasource"].update(uid="other"), "datasource uid 'other' not provisioned"),
+])
+def test_structure_check_catches(dashboard, break_it, expected):
+    broken = copy.deepcopy(dashboard)
+    break_it(broken)
+    assert any(expected in e for e in structure_errors(broken, provisioned_uids())), expected
+
+
+def test_provisioning_files():
+    ds = yaml.safe_load((MON / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = ds["datasources"]
+    assert source["type"] == "prometheus" and source["uid"] == "comera-prometheus"
+    prov = yaml.safe_load((MON / "grafana/provisioning/dashboards/comera.yml").read_text())
+    (provider,) = prov["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
+
+
+def test_dashboard_promql_passes_promtool(dashboard):
+    exprs = expressions(dashboard)
+    assert len(exprs) >= 16
+    assert promtool_errors(exprs) is None
+    assert promtool_errors(["sum(rate(comera_train_loss[5m]) by"]) is not None  # the check can fail
+
+
+def test_dashboard_shows_required_views(dashboard):
+    text = " ".join(expressions(dashboard))
+    for metric in ("comera_compression_ratio", "comera_tt_rank", "comera_train_loss", "comera_val_loss",
+                   "comera_tokens_per_second", "comera_peak_memory_bytes",
+                   "time() - comera_checkpoint_last_success_timestamp_seconds", "comera_stage"):
+        assert metric in text, metric
+
+
+def test_rules_and_dashboard_use_only_exported_metrics(tmp_path, dashboard):
+    """Every comera_* name in the alerts and the dashboard is served by a real exporter."""
+    m = build_metrics(MetricsConfig(progress=False, report=False, compression_target=2.0), rank=0, local_rank=0,
+                      world_size=1, total_steps=3, output_dir=tmp_path, run_name="names")
+    m.log({"train_loss": 1, "val_loss": 1, "val_accuracy": 0.5, "tokens_per_second": 1, "step_time_seconds": 0.1,
+           "learning_rate": 1e-3, "stage": 0, "lambda": 0, "compression_ratio": 1, "compression_ratio_tensorized": 1,
+           "model_params": 1, "peak_memory_bytes": 1, "nonfinite_steps_total": 0, "epoch": 0}, 1)
+    m.log_ranks({"layer": [1]}, 1)
+    m.checkpoint_saved(True, 1)
+    served = set(re.findall(r"^(comera_\w+)", urllib.request.urlopen(f"http://{m.endpoint}/metrics").read().decode(),
+                            re.M))
+    m.close()
+    rule_exprs = [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    used = set(re.findall(r"\bcomera_\w+", " ".join(expressions(dashboard) + rule_exprs)))
+    assert len(used) >= 15
+    assert used - served == set(), f"not exported: {sorted(used - served)}"

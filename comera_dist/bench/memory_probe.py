@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -188,6 +189,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     if args.contender not in work.CONTENDERS:
         p.error(f"--contender must be one of {list(work.CONTENDERS)}, got {args.contender!r}")
+    import galore_torch  # noqa: F401  every contender pays the same imports before the baseline
+
     gc.collect()
     _reset_peak_rss()
     baseline = _rss_bytes("VmRSS")
@@ -202,10 +205,9 @@ def main(argv: list[str]) -> int:
         setup.step(batch)
         times.append(time.perf_counter() - t0)
     peak = _rss_bytes("VmHWM")
-    times.sort()
     result = {
         "contender": args.contender, "batch_size": args.batch_size, "steps": args.steps,
-        "step_s": times[len(times) // 2], "step_min_s": times[0], "first_step_s": first_s,
+        "step_s": statistics.median(times), "step_min_s": min(times), "first_step_s": first_s,
         "tensor_memory": mem.as_dict(), "rss_baseline_bytes": baseline, "rss_peak_bytes": peak,
         "rss_peak_above_baseline_bytes": peak - baseline, "threads": torch.get_num_threads(),
         "extra": setup.extra,

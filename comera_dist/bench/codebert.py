@@ -1,0 +1,179 @@
+"""``python -m comera_dist.bench codebert``: CodeBERT-like MLM pretraining, dense vs CoMERA, equal token budget.
+
+The model, tensorization, controller, pruning and learning rates come from a run config
+(default ``configs/codebert-tiny-cpu.yaml``); the data from the project's real pipeline
+(``data.prepare_data`` on the embedded stdlib corpus, ``PackedLoader``, the MLM collator,
+``eval_batches`` for validation with fixed masks). Both contenders see the same batches in
+the same order: the token budget ("epoch") is ``steps * batch * seq_len``.
+
+Training uses a plain single-process loop, not the DeepSpeed engine (one process, no ZeRO:
+the engine would add its launch and initialisation cost to a short CPU run and nothing to the
+comparison). The loop does what the engine's step does: the CoMERA loss goes through
+``RankController`` (early stage, then the late stage at ``late_stage_step``), physical pruning
+follows ``pruning`` (``make_plan`` + ``apply_plan`` with the AdamW moments). The config's
+step schedule (late stage, pruning) is scaled by ``--steps / train.steps``. Both contenders
+use AdamW with linear warm-up (5% of steps) and cosine decay to 10%; dense uses ``lr.dense``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from comera_dist.bench.common import base_parser, write_result
+from comera_dist.compression.accounting import compression_report, model_size
+from comera_dist.compression.config import ComeraConfig
+from comera_dist.compression.controller import RankController
+from comera_dist.compression.groups import param_groups
+from comera_dist.compression.penalty import rank_penalty
+from comera_dist.compression.pruning import apply_plan, make_plan, prune_due
+from comera_dist.configbase import from_dict, load_yaml
+from comera_dist.data.config import DataConfig
+from comera_dist.data.loader import PackedLoader, eval_batches
+from comera_dist.data.prepare import PreparedData, prepare_data
+from comera_dist.models import build_model
+from comera_dist.models.config import ModelConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "codebert-tiny-cpu.yaml"
+
+
+def load_sections(path: Path, *, smoke: bool) -> tuple[ModelConfig, ComeraConfig, DataConfig, dict[str, Any]]:
+    """model / comera / data sections (strictly validated) and the raw train section of ``path``."""
+    raw = load_yaml(path)
+    for key in ("model", "comera", "data"):
+        if key not in raw:
+            raise ValueError(f"codebert: config {path} has no {key!r} section")
+    if smoke:  # tiny sizes of the same pipeline for CI
+        raw["model"].update(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=32,
+                            vocab_size=400)
+        raw["comera"]["tensorize"].update(max_rank=4, embedding_max_rank=4)
+        raw["data"].update(max_files=20, seq_len=32)
+        raw["data"]["tokenizer"].update(vocab_size=400, max_train_bytes=200_000)
+    model = from_dict(ModelConfig, raw["model"], "model")
+    comera = from_dict(ComeraConfig, raw["comera"], "comera")
+    data = from_dict(DataConfig, raw["data"], "data")
+    return model, comera, data, dict(raw.get("train") or {})
+
+
+def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int, max_batches: int) -> float:
+    """Mean MLM loss over the first ``max_batches`` validation batches (fixed masks)."""
+    model.eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for batch in eval_batches(prepared.validation, batch_size=batch_size, rank=0, world_size=1, seed=1234,
+                                  collator=prepared.collator, max_batches=max_batches):
+            total += float(model(**batch)["loss"])
+            n += 1
+    model.train()
+    if n == 0:
+        raise ValueError("codebert: the validation split yielded no batch")
+    return total / n
+
+
+def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared: PreparedData, *, steps: int,
+              batch_size: int, eval_every: int, eval_batches_n: int, scale: float, seed: int) -> dict[str, Any]:
+    """Train ``dense`` or ``comera`` for ``steps`` steps; returns curves, timings and the final report."""
+    torch.manual_seed(seed)
+    tensorized = name == "comera"
+    model = build_model(model_cfg, comera.tensorize if tensorized else None)
+    lr = comera.lr
+    groups = param_groups(model, lr) if tensorized else [{"params": list(model.parameters()), "lr": lr.dense}]
+    opt = torch.optim.AdamW(groups, weight_decay=lr.weight_decay)
+    warmup = max(1, steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    ctl_cfg = dataclasses.replace(comera.controller, late_stage_step=None if comera.controller.late_stage_step is None
+                                  else round(comera.controller.late_stage_step * scale))
+    prune_cfg = dataclasses.replace(comera.pruning, every=round(comera.pruning.every * scale),
+                                    start_step=round(comera.pruning.start_step * scale))
+    controller = RankController(ctl_cfg)
+    loader = PackedLoader(prepared.train, batch_size=batch_size, rank=0, world_size=1, seed=seed,
+                          collator=prepared.collator)
+    curve: list[dict[str, float]] = [{"step": 0, "val_loss": validation_loss(model, prepared, batch_size=batch_size,
+                                                                           max_batches=eval_batches_n)}]
+    train_s, tokens, train_losses = 0.0, 0, []
+    for step in range(1, steps + 1):
+        batch = next(loader)
+        t0 = time.perf_counter()
+        task = model(**batch)["loss"]
+        loss = task
+        if tensorized:
+            size = model_size(model)
+            controller.advance(step, float(task.detach()), size)
+            loss = controller.objective(task, rank_penalty(model), global_loss=float(task.detach()), global_size=size)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if tensorized and prune_cfg.every and prune_due(prune_cfg, step):
+            apply_plan(model, make_plan(model, comera.pruning.min_rank), opt)
+        train_s += time.perf_counter() - t0
+        tokens += batch["input_ids"].numel()
+        train_losses.append(float(task.detach()))
+        if step % eval_every == 0 or step == steps:
+            curve.append({"step": step, "val_loss": validation_loss(model, prepared, batch_size=batch_size,
+                                                                  max_batches=eval_batches_n)})
+    report = compression_report(model) if tensorized else None
+    return {"name": name, "curve": curve, "train_s": train_s, "tokens": tokens, "final_val_loss": curve[-1]["val_loss"],
+            "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
+            "params": sum(p.numel() for p in model.parameters()), "report": report,
+            "stage": controller.stage if tensorized else None}
+
+
+def main(argv: list[str]) -> int:
+    p = base_parser("codebert", "CodeBERT-like MLM on the stdlib corpus: dense vs CoMERA at an equal token budget")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="run config YAML (model/comera/data/train)")
+    p.add_argument("--smoke", action="store_true", help="tiny model and corpus of the same pipeline (CI)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps between validation evaluations")
+    p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = p.parse_args(argv)
+    model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke)
+    steps = args.steps or int(train.get("steps", 200))
+    batch_size = args.batch_size or 16
+    eval_every = args.eval_every or max(1, steps // 8)
+    n_eval = args.eval_batches or int(train.get("eval_batches", 8))
+    if min(steps, batch_size, eval_every, n_eval) < 1:
+        p.error(f"--steps, --batch-size, --eval-every, --eval-batches must be >= 1, got "
+                f"{steps}, {batch_size}, {eval_every}, {n_eval}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    prepared = prepare_data(data_cfg, show_progress=False)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=max(model_cfg.vocab_size, prepared.vocab_size))
+    scale = steps / int(train.get("steps", steps))
+    runs = {name: train_one(name, model_cfg, comera, prepared, steps=steps, batch_size=batch_size,
+                            eval_every=eval_every, eval_batches_n=n_eval, scale=scale, seed=0)
+            for name in ("dense", "comera")}
+    rows = [{"contender": n, "steps": steps, "tokens": r["tokens"], "train_s": r["train_s"],
+             "tokens_per_s": r["tokens"] / r["train_s"], "final_val_loss": r["final_val_loss"],
+             "final_train_loss": r["final_train_loss"], "params": r["params"]} for n, r in runs.items()]
+    rep = runs["comera"]["report"]
+    metrics = {
+        "compression_ratio": rep["compression_ratio_model"],
+        "compression_ratio_tensorized": rep["compression_ratio_tensorized"],
+        "val_loss_ratio_comera_over_dense": runs["comera"]["final_val_loss"] / runs["dense"]["final_val_loss"],
+        "epoch_speedup_vs_dense": runs["dense"]["train_s"] / runs["comera"]["train_s"],
+    }
+    config = {"config": str(args.config), "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
+              "smoke": args.smoke, "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
+              "loop": "plain single-process loop (same model, controller, pruning as the engine)",
+              "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},
+              "curves": {n: r["curve"] for n, r in runs.items()}, "threads": torch.get_num_threads(),
+              "target": {"compression_ratio": 4.23, "val_loss_ratio_comera_over_dense": 1.03,
+                         "epoch_speedup_vs_dense": 3.0},
+              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    write_result(args.json, "codebert", metrics, rows, config)
+    return 0

@@ -1,0 +1,47 @@
+"""``python -m comera_dist.bench memory``: dense vs CoMERA six-encoder at batch 32, memory split by role.
+
+Each contender runs in its own fresh interpreter (``memory-probe``): one measured step gives
+parameters, gradients, optimizer state and the peak of saved activations (tensor bytes, see
+``memory_probe``), and the process's peak RSS above its post-import baseline.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.memory_probe import run_probe
+
+ROLES = ("params", "grads", "optimizer", "activations", "total")
+
+
+def main(argv: list[str]) -> int:
+    p = base_parser("memory", "six-encoder memory by role (params, grads, optimizer, activations), dense vs CoMERA")
+    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
+    args = p.parse_args(argv)
+    steps = args.steps or 1
+    batch = args.batch_size or 32
+    if steps < 1 or batch < 1:
+        p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
+    load_start = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    for name in ("dense", "comera"):
+        r = run_probe(workload="six-encoder", contender=name, batch_size=batch, steps=steps, smoke=args.smoke,
+                      threads=args.threads)
+        tm = r["tensor_memory"]
+        rows.append({"contender": name, "batch": batch,
+                     **{f"{role}_MiB": tm[f"{role}_bytes"] / 2**20 for role in ROLES},
+                     "rss_above_baseline_MiB": r["rss_peak_above_baseline_bytes"] / 2**20, "step_s": r["step_s"]})
+    by = {r["contender"]: r for r in rows}
+    metrics = {f"{role}_ratio_dense_over_comera_b{batch}": by["dense"][f"{role}_MiB"] / by["comera"][f"{role}_MiB"]
+               for role in ROLES}
+    metrics[f"rss_ratio_dense_over_comera_b{batch}"] = (by["dense"]["rss_above_baseline_MiB"]
+                                                        / by["comera"]["rss_above_baseline_MiB"])
+    for name in ("dense", "comera"):
+        metrics[f"{name}_activations_MiB_b{batch}"] = by[name]["activations_MiB"]
+    config = {"steps": steps, "batch_size": batch, "smoke": args.smoke, "process_per_contender": True,
+              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    write_result(args.json, "memory", metrics, rows, config)
+    return 0

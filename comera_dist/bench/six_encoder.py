@@ -151,6 +151,18 @@ def time_steps(c: Contender, batch: dict[str, Tensor], steps: int) -> dict[str, 
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
+def top_ops(fn: Callable[[], Any], n: int = 8) -> list[dict[str, Any]]:
+    """Run ``fn()`` once under ``torch.profiler``; the ``n`` ops with the most self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
+             "calls": e.count} for e in events[:n]]
+
+
 def main(argv: list[str]) -> int:
     p = base_parser("six-encoder", "six-encoder step time and memory, dense vs CoMERA, batch 1/8/32")
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
@@ -175,12 +187,16 @@ def main(argv: list[str]) -> int:
                          "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
                          "peak_tensor_MiB": mem.total_bytes / 2**20, "activations_MiB": mem.activations_bytes / 2**20,
                          "params": sum(q.numel() for q in c.model.parameters())})
+    b_top = max(sizes)
+    profiles = {name: top_ops(lambda c=c: c.step(random_batch(c.model, b_top, smoke=args.smoke)))
+                for name, c in contenders.items()}
     metrics: dict[str, float] = {}
     for b in sizes:
         by = {r["contender"]: r for r in rows if r["batch"] == b}
         metrics[f"speedup_vs_dense_b{b}"] = by["dense"]["step_s"] / by["comera"]["step_s"]
         metrics[f"memory_ratio_dense_over_comera_b{b}"] = by["dense"]["peak_tensor_MiB"] / by["comera"]["peak_tensor_MiB"]
     config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
-              "target": {"speedup_vs_dense_b32": 5.0}, "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+              "target": {"speedup_vs_dense_b32": 5.0}, "profile_batch": b_top, "profile": profiles,
+              "threads": torch.get_num_threads(), "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

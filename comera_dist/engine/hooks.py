@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_grad
+import deepspeed.comm as dist
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param,
+                             safe_set_full_grad, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                             safe_set_local_grad, safe_set_local_optimizer_state)
 from torch import Tensor, nn
 
 from comera_dist.compression.penalty import penalty_from_gates
@@ -64,6 +67,38 @@ def full_fp32(p: nn.Parameter) -> Tensor:
     if value is None:
         value = p.detach()
     return value.detach().float().reshape(full_shape(p))
+
+
+def _z3_local(param: nn.Parameter, value: Tensor) -> Tensor:
+    """This rank's slice of a full ``value`` of ZeRO-3 ``param``, zero-padded like its partition."""
+    part = param.ds_tensor.numel()
+    rank = dist.get_rank(group=param.ds_process_group) if getattr(param, "ds_process_group", None) else dist.get_rank()
+    flat = torch.zeros(part * dist.get_world_size(), dtype=value.dtype, device=value.device)
+    flat[: value.numel()] = value.flatten()
+    return flat[rank * part:(rank + 1) * part]
+
+
+def set_full(param: nn.Parameter, value: Tensor, what: str) -> None:
+    """Write the full ``value`` into ``param``'s ``grad``, ``fp32`` master or optimizer state ``what``.
+
+    Collective-free and ZeRO-aware. Under ZeRO-3 it writes this rank's slice through DeepSpeed's
+    local API: its full-value setters assume ``numel`` divisible by the world size and fail for
+    e.g. a 3-entry gate on 2 ranks (DeepSpeed 0.19).
+    """
+    if hasattr(param, "ds_id"):
+        local = _z3_local(param, value)
+        if what == "grad":
+            safe_set_local_grad(param, local)
+        elif what == "fp32":
+            safe_set_local_fp32_param(param, local)
+        else:
+            safe_set_local_optimizer_state(param, local, what)
+    elif what == "grad":
+        safe_set_full_grad(param, value)
+    elif what == "fp32":
+        safe_set_full_fp32_param(param, value)
+    else:
+        safe_set_full_optimizer_state(param, value, what)
 
 
 @contextlib.contextmanager
@@ -116,4 +151,4 @@ class PenaltyHook:
             if current is None:  # the gate took no part in this step's forward
                 continue
             update = current.float().reshape(full_shape(ref.param)) + coef * d_r  # (r_k,)
-            safe_set_full_grad(ref.param, update.to(current.dtype).reshape(current.shape))
+            set_full(ref.param, update.to(current.dtype).reshape(current.shape), "grad")

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state
+from deepspeed.utils import safe_get_full_optimizer_state
 from torch import Tensor, nn
 
 from comera_dist.compression.pruning import PruningPlan, apply_plan, make_plan
-from comera_dist.engine.hooks import full_fp32, full_shape
+from comera_dist.engine.hooks import full_fp32, full_shape, set_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -150,20 +150,23 @@ def restore_optimizer_state(engine, state: FullState, *, set_master: bool) -> No
     if state.step == 0:
         return
     step = torch.tensor(float(state.step))
-    for group in inner.param_groups:
-        for flat in group["params"]:
-            slot = inner.state[flat]
-            slot.setdefault("exp_avg", torch.zeros_like(flat))
-            slot.setdefault("exp_avg_sq", torch.zeros_like(flat))
-            slot["step"] = step.clone()
+    # ZeRO-3 swaps its flat fp32 partitions into the param groups only during its step.
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        flats = [flat for group in inner.param_groups for flat in group["params"]]
+    for flat in flats:
+        slot = inner.state[flat]
+        slot.setdefault("exp_avg", torch.zeros_like(flat))
+        slot.setdefault("exp_avg_sq", torch.zeros_like(flat))
+        slot["step"] = step.clone()
     link_optimizer_state(engine)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         if set_master:
-            safe_set_full_fp32_param(p, state.params[name])
+            set_full(p, state.params[name], "fp32")
         for key, value in state.moments.get(name, {}).items():
             if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
-                safe_set_full_optimizer_state(p, value, key)
+                set_full(p, value, key)
             else:
                 inner.state[p][key].copy_(value.reshape(p.shape))

@@ -58,16 +58,17 @@ class StepOutput:
 
 
 def _rng_state() -> dict[str, Any]:
+    """torch, python and numpy RNG states as plain lists/ints (picklable without torch storages)."""
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]}
+    return {"torch": torch.get_rng_state().tolist(), "python": random.getstate(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate(_as_tuple(state["python"]))
     name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy(), *rest))
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
 
 
 def _as_tuple(x: Any) -> Any:

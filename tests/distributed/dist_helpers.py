@@ -45,10 +45,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, workdi
 
 
 def run_ranks(fn: Callable[..., Any], workdir: Path, *args: Any, world_size: int = 2, timeout: float = 240.0,
-              expect_exit: dict[int, int] | None = None) -> list[Any]:
+              expect_exit: dict[int, int | None] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; returns each rank's result.
 
-    ``expect_exit`` maps rank -> accepted exit code (e.g. ``-signal.SIGKILL``); such ranks return None.
+    ``expect_exit`` maps rank -> accepted exit code (e.g. ``-signal.SIGKILL``; None: any non-zero
+    code); such ranks return None.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +72,8 @@ def run_ranks(fn: Callable[..., Any], workdir: Path, *args: Any, world_size: int
     for r, p in enumerate(procs):
         if r in hung:
             errors.append(f"rank {r} still running after {timeout} s (killed)")
+        elif r in expect_exit and expect_exit[r] is None and p.exitcode != 0:
+            continue
         elif p.exitcode != expect_exit.get(r, 0):
             err = workdir / f"error-{r}.txt"
             detail = err.read_text() if err.exists() else ""

@@ -1,0 +1,159 @@
+"""Prune-and-rebuild and sharded resume on 2 real ranks, at ZeRO 1 and ZeRO 3.
+
+Dead ranks are made explicitly: two gate entries of one layer are set far below tau in the fp32
+master state (``safe_set_full_fp32_param``); the mask then zeroes their gradients, so they stay
+dead, and the next scheduled prune must slice them out of the cores on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from dist_helpers import run_ranks
+from engine_cases import batch, factory, tiny_config
+
+LAYER, BOND = "blocks.0.attn.query", 1
+
+
+def _kill_two_ranks(session) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    from comera_dist.engine.hooks import full_fp32
+
+    gate = dict(session.module.named_parameters())[f"{LAYER}.gates.{BOND}"]
+    value = full_fp32(gate)
+    # Far below tau: the module weight only follows the master at the next optimizer step, whose
+    # (still unmasked) gradient moves these entries by at most ~lr; later steps give them no gradient.
+    value[:2] = -1.0
+    safe_set_full_fp32_param(gate, value)
+
+
+def _session(outdir: str, stage: int, **kw):
+    from comera_dist.engine.session import TrainSession
+
+    cfg = tiny_config(outdir, zero_stage=stage, steps=4, prune_every=2, late_stage_step=3, **kw)
+    return TrainSession.create(cfg, factory(cfg), world_size=2)
+
+
+def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
+    from comera_dist.engine.distributed import init_distributed
+    from comera_dist.engine.prune import gather_full_state
+
+    init_distributed(60)
+    out = {}
+    for stage in (1, 3):
+        s = _session(f"{outdir}/z{stage}", stage)
+        _kill_two_ranks(s)
+        s.train_step([batch(1, rank)])
+        s.train_step([batch(2, rank)])
+        probe = [batch(99, rank)]
+        before_loss = s.evaluate(probe)
+        before_state = gather_full_state(s.engine)
+        dims_before = s.bond_dims()
+        pruned = s.maybe_prune(2)
+        after_state = gather_full_state(s.engine)
+        out[stage] = {"pruned": pruned, "dims_before": dims_before, "dims_after": s.bond_dims(),
+                      "before": before_loss, "after": s.evaluate(probe),
+                      "moments_before": before_state.moments, "moments_after": after_state.moments,
+                      "step_before": before_state.step, "step_after": after_state.step,
+                      "next": s.train_step([batch(3, rank)]).task_loss,
+                      "local_shapes": {n: tuple(p.shape) for n, p in s.module.named_parameters()}}
+        s.engine.destroy()
+    return out
+
+
+def test_prune_and_rebuild_zero1_zero3(tmp_path):
+    results = run_ranks(_prune_case, tmp_path / "work", str(tmp_path / "runs"))
+    for stage in (1, 3):
+        for rank in (0, 1):
+            r = results[rank][stage]
+            assert r["pruned"], f"z{stage} rank {rank}: no prune happened"
+            assert r["dims_before"][LAYER] == [4, 4, 4]
+            assert r["dims_after"][LAYER] == [4, 2, 4], r["dims_after"]  # shapes shrank on every rank
+            assert {k: v for k, v in r["dims_after"].items() if k != LAYER} == \
+                   {k: v for k, v in r["dims_before"].items() if k != LAYER}
+            # the loss is continuous: slicing dead ranks does not change the function
+            torch.testing.assert_close(r["after"][0], r["before"][0], rtol=1e-5, atol=1e-6)
+            assert r["step_after"] == r["step_before"] == 2
+            for name, m in r["moments_before"].items():  # Adam moments carried over
+                new = r["moments_after"][name]
+                if f"{LAYER}.cores.{BOND}" in name:
+                    torch.testing.assert_close(new["exp_avg"], m["exp_avg"][:, :, 2:])
+                elif f"{LAYER}.cores.{BOND + 1}" in name:
+                    torch.testing.assert_close(new["exp_avg_sq"], m["exp_avg_sq"][2:])
+                elif f"{LAYER}.gates.{BOND}" in name:
+                    torch.testing.assert_close(new["exp_avg"], m["exp_avg"][2:])
+                else:
+                    torch.testing.assert_close(new["exp_avg"], m["exp_avg"], rtol=0, atol=0)
+            assert torch.isfinite(torch.tensor(r["next"]))
+        assert results[0][stage]["next"] == results[1][stage]["next"]
+    # ZeRO-3 holds partitions: local shapes are empty while ds_shape carries the pruned sizes
+    assert results[0][3]["local_shapes"][f"{LAYER}.gates.{BOND}"] == (0,)
+
+
+STEPS, SAVE_AT = 4, 2
+
+
+def _train(s, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        losses.append(s.train_step([batch(step, rank)]).task_loss)
+        if step == 1:
+            _kill_two_ranks(s)
+        s.maybe_prune(step)
+    return losses
+
+
+def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
+    from comera_dist.engine.distributed import init_distributed
+
+    init_distributed(60)
+    for stage in (1, 3):
+        s = _session(f"{outdir}/straight{stage}", stage)
+        losses = _train(s, rank, range(1, STEPS + 1))
+        torch.save(losses, Path(outdir) / f"straight{stage}-{rank}.pt")
+        s.engine.destroy()
+    for stage in (1, 3):
+        s = _session(f"{outdir}/killed{stage}", stage)
+        _train(s, rank, range(1, SAVE_AT + 1))
+        s.save(SAVE_AT, {"data_position": SAVE_AT * 10 + rank})
+        _train(s, rank, range(SAVE_AT + 1, SAVE_AT + 2))  # progress after the save is lost by the kill
+        if stage == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        s.engine.destroy()
+
+
+def _resumed(rank: int, world_size: int, outdir: str) -> dict:
+    from comera_dist.engine.distributed import init_distributed
+
+    init_distributed(60)
+    out = {}
+    for stage in (1, 3):
+        s = _session(f"{outdir}/killed{stage}", stage)
+        client = s.resume("auto")
+        out[stage] = {"client": client, "dims": s.bond_dims(),
+                      "losses": _train(s, rank, range(client["step"] + 1, STEPS + 1))}
+        s.engine.destroy()
+    return out
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    run_ranks(_straight_then_killed, tmp_path / "work1", str(runs), expect_exit={0: -signal.SIGKILL,
+                                                                                 1: -signal.SIGKILL})
+    resumed = run_ranks(_resumed, tmp_path / "work2", str(runs))
+    for stage in (1, 3):
+        ckpt = runs / f"killed{stage}" / "checkpoints" / "step00000002"
+        assert (ckpt / "COMPLETE").is_file() and (ckpt / "config.yaml").is_file()
+        for rank in (0, 1):
+            r = resumed[rank][stage]
+            straight = torch.load(runs / f"straight{stage}-{rank}.pt")
+            assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT} or \
+                r["client"]["step"] == SAVE_AT
+            assert r["dims"][LAYER] == [4, 2, 4]  # rebuilt at the pruned shapes before loading
+            assert r["losses"] == straight[SAVE_AT:], (stage, rank, r["losses"], straight)

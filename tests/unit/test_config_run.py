@@ -1,0 +1,77 @@
+"""Run-config validation: each mistake is one clear ConfigError naming the dotted key."""
+
+from __future__ import annotations
+
+import pytest
+
+from comera_dist.config import load_run_config, resolved_dict
+from comera_dist.configbase import ConfigError
+from comera_dist.engine.config import DeepSpeedSection, solve_batch_sizes, to_deepspeed_dict
+
+BASE = """
+model: {arch: bert_mlm, vocab_size: 64, hidden_size: 16, num_layers: 1, num_heads: 2,
+        intermediate_size: 32, max_positions: 16}
+comera: {tensorize: {num_cores: 4, embedding_num_cores: 2, max_rank: 4}}
+data: {seq_len: 16}
+deepspeed: {zero_stage: 1, micro_batch_size_per_gpu: 2, gradient_accumulation_steps: 2}
+"""
+
+
+def _write(tmp_path, text=BASE):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_config_and_overrides(tmp_path):
+    cfg = load_run_config(_write(tmp_path), ["train.steps=7", "deepspeed.precision=bf16"], world_size=2)
+    assert cfg.train.steps == 7 and cfg.deepspeed.precision == "bf16"
+    assert resolved_dict(cfg)["deepspeed"]["zero_stage"] == 1
+
+
+def test_unknown_key_has_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.stepz.*did you mean 'steps'"):
+        load_run_config(_write(tmp_path), ["train.stepz=3"])
+
+
+def test_wrong_type_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"deepspeed\.zero_stage: expected an integer, got str"):
+        load_run_config(_write(tmp_path), ["deepspeed.zero_stage=three"])
+
+
+def test_bad_value_names_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"deepspeed\.zero_stage must be 0, 1, 2 or 3, got 5"):
+        load_run_config(_write(tmp_path), ["deepspeed.zero_stage=5"])
+
+
+def test_batch_arithmetic(tmp_path):
+    with pytest.raises(ConfigError, match=r"2 x 2 x 2 = 8 != train_batch_size = 6"):
+        load_run_config(_write(tmp_path), ["deepspeed.train_batch_size=6"], world_size=2)
+    sizes = solve_batch_sizes(DeepSpeedSection(train_batch_size=12, micro_batch_size_per_gpu=2), 3)
+    assert (sizes.global_batch, sizes.micro_batch, sizes.accumulation) == (12, 2, 2)
+    with pytest.raises(ValueError, match="not divisible"):
+        solve_batch_sizes(DeepSpeedSection(train_batch_size=10, micro_batch_size_per_gpu=4), 2)
+    with pytest.raises(ValueError, match="both are null"):
+        solve_batch_sizes(DeepSpeedSection(), 2)
+
+
+def test_impossible_factorization(tmp_path):
+    with pytest.raises(ConfigError, match=r"comera\.tensorize\.modes\.attention: modes \[4, 2\] x \[4, 4\]"):
+        load_run_config(_write(tmp_path), ["comera.tensorize.modes={attention: [[4, 2], [4, 4]]}"])
+    with pytest.raises(ConfigError, match=r"dimension 17 has no factorization into 2 modes"):
+        load_run_config(_write(tmp_path), ["model.intermediate_size=17"])
+
+
+def test_seq_len_beyond_positions(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.seq_len=32 exceeds model\.max_positions=16"):
+        load_run_config(_write(tmp_path), ["data.seq_len=32"])
+
+
+def test_deepspeed_json_is_generated():
+    section = DeepSpeedSection(zero_stage=3, micro_batch_size_per_gpu=2, precision="bf16",
+                               stage3_param_persistence_threshold=0)
+    ds = to_deepspeed_dict(section, 2, total_steps=10, group_lrs=[1e-4, 1e-3], weight_decay=0.0)
+    assert ds["train_batch_size"] == 4 and ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["weight_decay"] == 0.0
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == [1e-4, 1e-3]
+    assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.six_encoder import top_ops
 from comera_dist.compression.accounting import compression_report, model_size
 from comera_dist.compression.config import ComeraConfig
 from comera_dist.compression.controller import RankController
@@ -126,10 +127,12 @@ def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared:
             curve.append({"step": step, "val_loss": validation_loss(model, prepared, batch_size=batch_size,
                                                                   max_batches=eval_batches_n)})
     report = compression_report(model) if tensorized else None
+    profile = top_ops(lambda: model(**next(loader))["loss"].backward())  # one fwd+bwd of the final model
+    opt.zero_grad(set_to_none=True)
     return {"name": name, "curve": curve, "train_s": train_s, "tokens": tokens, "final_val_loss": curve[-1]["val_loss"],
             "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
             "params": sum(p.numel() for p in model.parameters()), "report": report,
-            "stage": controller.stage if tensorized else None}
+            "stage": controller.stage if tensorized else None, "profile": profile}
 
 
 def main(argv: list[str]) -> int:
@@ -171,7 +174,8 @@ def main(argv: list[str]) -> int:
               "smoke": args.smoke, "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
               "loop": "plain single-process loop (same model, controller, pruning as the engine)",
               "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},
-              "curves": {n: r["curve"] for n, r in runs.items()}, "threads": torch.get_num_threads(),
+              "curves": {n: r["curve"] for n, r in runs.items()},
+              "profile": {n: r["profile"] for n, r in runs.items()}, "threads": torch.get_num_threads(),
               "target": {"compression_ratio": 4.23, "val_loss_ratio_comera_over_dense": 1.03,
                          "epoch_speedup_vs_dense": 3.0},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}

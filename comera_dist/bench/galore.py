@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
     load_start = os.getloadavg()
     results = {name: run_probe(workload="six-encoder", contender=name, batch_size=batch, steps=steps,
-                               smoke=args.smoke, threads=args.threads) for name in ORDER}
+                               smoke=args.smoke, threads=args.threads, profile=True) for name in ORDER}
     rows: list[dict[str, Any]] = []
     gap = GALORE["update_proj_gap"]
     for name in ORDER:
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         f"rss_ratio_galore_over_comera_b{b}": by["galore"]["rss_above_baseline_MiB"] / by["comera"]["rss_above_baseline_MiB"],
     }
     config = {"steps": steps, "batch_size": batch, "smoke": args.smoke, "galore": results["galore"]["extra"],
-              "threads": results["comera"]["threads"], "process_per_contender": True,
+              "threads": results["comera"]["threads"], "profile": {n: results[n]["profile"] for n in ORDER}, "process_per_contender": True,
               "target": {"speedup_vs_galore_b1": 6.0, "memory_ratio_galore_over_comera_b1": 10.0},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "galore", metrics, rows, config)

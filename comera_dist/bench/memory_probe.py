@@ -152,7 +152,7 @@ def _reset_peak_rss() -> None:
 
 
 def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smoke: bool,
-              threads: int | None = None, timeout_s: float = 3600.0) -> dict[str, Any]:
+              threads: int | None = None, profile: bool = False, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Start ``memory-probe`` for one contender in a fresh interpreter and return its JSON result."""
     cmd = [sys.executable, "-m", "comera_dist.bench", "memory-probe", "--workload", workload,
            "--contender", contender, "--batch-size", str(batch_size), "--steps", str(steps)]
@@ -160,6 +160,8 @@ def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smo
         cmd.append("--smoke")
     if threads:
         cmd += ["--threads", str(threads)]
+    if profile:
+        cmd.append("--profile")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"memory-probe for contender {contender!r} exited {proc.returncode}:\n"
@@ -179,6 +181,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps after the measured first step")
     p.add_argument("--smoke", action="store_true", help="tiny model (CI)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--profile", action="store_true", help="add torch.profiler top ops of one more step")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1:
@@ -205,12 +208,13 @@ def main(argv: list[str]) -> int:
         setup.step(batch)
         times.append(time.perf_counter() - t0)
     peak = _rss_bytes("VmHWM")
+    profile = work.top_ops(lambda: setup.step(batch)) if args.profile else None
     result = {
         "contender": args.contender, "batch_size": args.batch_size, "steps": args.steps,
         "step_s": statistics.median(times), "step_min_s": min(times), "first_step_s": first_s,
         "tensor_memory": mem.as_dict(), "rss_baseline_bytes": baseline, "rss_peak_bytes": peak,
         "rss_peak_above_baseline_bytes": peak - baseline, "threads": torch.get_num_threads(),
-        "extra": setup.extra,
+        "extra": setup.extra, "profile": profile,
     }
     if not all(math.isfinite(v) for v in (result["step_s"], first_s)):
         raise RuntimeError(f"non-finite timing {result}")

@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from comera_dist.bench.common import base_parser, write_result
-from comera_dist.bench.six_encoder import Contender, make_contender, random_batch
+from comera_dist.bench.six_encoder import Contender, make_contender, random_batch, top_ops
 from comera_dist.compression.accounting import compression_report
 from comera_dist.compression.pruning import apply_plan, make_plan
 from comera_dist.compression.walk import tensorized_modules
@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
             c.step(batch)
             times[name].append(time.perf_counter() - t0)
     models = {"masked": masked.model, "pruned": pruned.model}
+    profiles = {name: top_ops(lambda c=c: c.step(batch)) for name, c in (("masked", masked), ("pruned", pruned))}
     rows: list[dict[str, Any]] = []
     for name in ("masked", "pruned"):
         rows.append({"model": name, "batch": batch_size, "step_s": statistics.median(times[name]),
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
                "tt_flop_ratio": rows[1]["tt_flops_per_token"] / rows[0]["tt_flops_per_token"]}
     config = {"steps": steps, "batch_size": batch_size, "keep": args.keep, "smoke": args.smoke,
               "bonds_pruned": sum(len(b) for b in plan.kept.values()), "threads": torch.get_num_threads(),
-              "target": {"step_time_ratio_over_flop_ratio": [0.8, 1.2]},
+              "profile": profiles, "target": {"step_time_ratio_over_flop_ratio": [0.8, 1.2]},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "prune-payoff", metrics, rows, config)
     return 0

@@ -7,9 +7,10 @@ M1*M2 >= vocabulary rows and N1*N2 = embedding columns of a TTM split in two hal
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from comera_dist.tensor.tt import chain
+from comera_dist.tensor.tt import chain, scale_bonds
 
 
 def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -18,8 +19,8 @@ def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) ->
     x: (T, N_in); L: (N_in, r) input-side cores contracted (middle gate folded in);
     R: (r, N_out) output-side cores contracted. Returns (T, N_out).
     """
-    y = (x @ L) @ R  # (T, r) then (T, N_out)
-    return y if bias is None else y + bias
+    h = x @ L  # (T, r)
+    return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out); bias fused into the GEMM
 
 
 def ttm_lookup_pairs(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
@@ -28,12 +29,16 @@ def ttm_lookup_pairs(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     ids: (T,) int64 row ids < M1*M2; A: (M1, N1, r); B: (r, M2, N2). Row id ``i`` splits
     row-major into ``(i // M2, i % M2)``. Duplicate ids are computed once. Returns (T, N1*N2).
     """
-    M2, N1, N2 = B.shape[1], A.shape[1], B.shape[2]
+    M1, N1, r = A.shape
+    M2, N2 = B.shape[1], B.shape[2]
     uniq, inverse = torch.unique(ids, return_inverse=True)  # (U,), (T,)
-    a = A[uniq // M2]  # (U, N1, r)
-    b = B[:, uniq % M2].transpose(0, 1)  # (U, r, N2)
-    rows = torch.bmm(a, b).reshape(-1, N1 * N2)  # (U, N1*N2)
-    return rows[inverse]  # (T, N1*N2)
+    # Row gathers go through F.embedding: its backward accumulates repeated rows far faster on CPU
+    # than the scatter behind advanced indexing or index_select.
+    Bt = B.permute(1, 0, 2).reshape(M2, r * N2)  # (M2, r*N2): one contiguous slice per second coordinate
+    a = F.embedding(uniq // M2, A.reshape(M1, N1 * r)).view(-1, N1, r)  # (U, N1, r)
+    b = F.embedding(uniq % M2, Bt).view(-1, r, N2)  # (U, r, N2)
+    rows = torch.bmm(a, b).view(-1, N1 * N2)  # (U, N1*N2)
+    return F.embedding(inverse, rows)  # (T, N1*N2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,19 +92,14 @@ def tt_linear_sequential(x: Tensor, cores: list[Tensor], masks: list[Tensor] | N
     x: (T, N_in) -> (T, N_out). Each step contracts one mode and one bond of the running state.
     """
     T = x.shape[0]
+    cores = scale_bonds(cores, masks)  # gates on the (small) cores: nothing extra saved per token
     s = x.reshape(T, x.shape[1], 1)  # (T, rem, r_0)
-    for k in range(d):
-        c = cores[k]  # (r, n, r')
+    for c in cores[:d]:  # c: (r, n, r')
         s = s.reshape(T, c.shape[1], -1, c.shape[0])  # (T, n_k, rem', r)
         s = torch.einsum("tnqr,rns->tqs", s, c)  # (T, rem', r')
-        if masks is not None:
-            s = s * masks[k]
     s = s.reshape(T, 1, -1)  # (T, P=1, r_d)
-    for k in range(d, len(cores)):
-        c = cores[k]  # (r, n, r')
+    for c in cores[d:]:  # c: (r, n, r')
         s = torch.einsum("tpr,rns->tpns", s, c).reshape(T, -1, c.shape[2])  # (T, P*n, r')
-        if masks is not None and k < len(masks):
-            s = s * masks[k]
     return s.reshape(T, -1)  # (T, N_out)
 
 
@@ -114,16 +114,12 @@ def ttm_split(num_cores: int) -> int:
 
 
 def _ttm_chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
-    """Contract 4-way TTM cores: returns ``(r_0, M, N, r_last)``; a trailing mask is folded in."""
+    """Contract 4-way TTM cores: returns ``(r_0, M, N, r_last)``; ``masks[k]`` scales core k's right bond."""
+    cores = scale_bonds(cores, masks)
     z = cores[0]  # (r0, m, n, r1)
-    for k in range(1, len(cores)):
-        if masks is not None and k - 1 < len(masks):
-            z = z * masks[k - 1]
-        c = cores[k]  # (r, m, n, r')
+    for c in cores[1:]:  # c: (r, m, n, r')
         a, M, N = z.shape[0], z.shape[1], z.shape[2]
         z = torch.einsum("aMNr,rmns->aMmNns", z, c).reshape(a, M * c.shape[1], N * c.shape[2], c.shape[3])
-    if masks is not None and len(masks) >= len(cores):
-        z = z * masks[len(cores) - 1]
     return z
 
 
@@ -162,11 +158,12 @@ def ttm_lookup_naive(ids: Tensor, cores: list[Tensor], masks: list[Tensor] | Non
         digits.append((ids // stride) % m)
         stride *= m
     digits.reverse()
-    z = cores[0][0, digits[0]]  # (T, n_1, r_1)
+    z = F.embedding(digits[0], cores[0][0].reshape(row_modes[0], -1)).view(T, -1, cores[0].shape[3])  # (T, n_1, r_1)
     for k in range(1, len(cores)):
         if masks is not None:
             z = z * masks[k - 1]
         c = cores[k]  # (r, m, n, r')
-        s = c[:, digits[k]].permute(1, 0, 2, 3).reshape(T, c.shape[0], -1)  # (T, r, n*r')
-        z = torch.bmm(z, s).reshape(T, -1, c.shape[3])  # (T, P*n, r')
+        slices = c.permute(1, 0, 2, 3).reshape(c.shape[1], -1)  # (m, r*n*r')
+        s = F.embedding(digits[k], slices).view(T, c.shape[0], -1)  # (T, r, n*r'): this token's slice
+        z = torch.bmm(z, s).view(T, -1, c.shape[3])  # (T, P*n, r')
     return z.reshape(T, -1)  # (T, prod n)

@@ -5,8 +5,8 @@ Three orders compute the same ``y = x W``:
 - ``lr``: build ``L (N_in, r_d)`` and ``R (r_d, N_out)`` once, then ``(x L) R``; per token
   ``2 r_d (N_in + N_out)``; saves ``x L`` (T r_d) plus L and R.
 - ``sequential``: contract the tokens through one core at a time; nothing batch-independent to
-  build, so it wins for a handful of tokens, and for a huge middle rank ``r_d``; saves about two
-  intermediate states per core per token.
+  build, so it wins for a handful of tokens, and for a huge middle rank ``r_d``; saves the
+  state entering every core, per token.
 - ``dense``: densify ``W`` and run one GEMM; wins only when the ranks are near full.
 
 The score is a time model, ``flops + flops_per_byte * saved_bytes``: a saved activation is
@@ -54,18 +54,14 @@ def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: l
     build_in = sum(math.prod(in_modes[:k + 1]) * ranks[k + 1] for k in range(d))
     build_out = sum(ranks[d] * math.prod(out_modes[:k + 1]) * ranks[d + k + 1] for k in range(len(out_modes)))
     build_all = sum(math.prod(modes[:k + 1]) * ranks[k + 1] for k in range(len(modes)))
-    # Sequential: each step's einsum keeps its input state, and each gate multiply keeps the
-    # step's output (for the gate's gradient): about two states per step, per token.
-    rem, P = n_in, 1
-    states_in = []
+    # Sequential: each step's einsum keeps its input state (x's reshaped copy included).
+    seq, rem, P = 0, n_in, 1
     for k, n in enumerate(in_modes):
-        states_in.append(rem * ranks[k])
+        seq += rem * ranks[k]
         rem //= n
     for k, n in enumerate(out_modes, start=d):
-        states_in.append(P * ranks[k])
+        seq += P * ranks[k]
         P *= n
-    states_out = states_in[1:]  # the output of step k is the input of step k+1; the last is y
-    seq = sum(states_in) + sum(states_out)
     elems = {
         "lr": tokens * r_d + build_in + build_out,
         "sequential": tokens * seq,

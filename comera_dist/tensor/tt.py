@@ -46,19 +46,25 @@ def tt_init(in_modes: list[int], out_modes: list[int], ranks: list[int], std: fl
 def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
     """Contract 3-way cores left to right: returns ``(r_0, prod(modes), r_last)``.
 
-    ``masks[k]`` scales bond ``k`` (between core ``k`` and ``k+1``); ``masks`` may be shorter than
-    ``len(cores) - 1`` only when the caller folds the remaining bonds elsewhere.
+    ``masks[k]`` scales bond ``k`` (the right bond of core ``k``). It is applied to the core, the
+    smallest tensor touching the bond; ``len(masks) == len(cores)`` also scales the trailing bond
+    (the left half of a split carries the middle mask this way).
     """
+    cores = scale_bonds(cores, masks)
     z = cores[0]  # (r0, n_1, r_1)
     r0 = z.shape[0]
-    for k in range(1, len(cores)):
-        if masks is not None and k - 1 < len(masks):
-            z = z * masks[k - 1]  # (r0, P, r_k) scaled along the bond
-        c = cores[k]  # (r_k, n, r')
-        z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[2])  # (r0, P*n, r')
-    if masks is not None and len(masks) >= len(cores):
-        z = z * masks[len(cores) - 1]  # trailing bond mask (used by the left half of a split)
+    for c in cores[1:]:  # c: (r, n, r')
+        z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[-1])  # (r0, P*n, r')
     return z
+
+
+def scale_bonds(cores: list[Tensor], masks: list[Tensor] | None) -> list[Tensor]:
+    """``cores[k] * masks[k]`` along the last (right-bond) dim, for every mask given."""
+    if masks is None:
+        return list(cores)
+    if len(masks) > len(cores):
+        raise ValueError(f"{len(masks)} masks for {len(cores)} cores: at most one per core")
+    return [c * masks[k] if k < len(masks) else c for k, c in enumerate(cores)]
 
 
 def tt_to_dense(cores: list[Tensor], masks: list[Tensor] | None, d: int) -> Tensor:

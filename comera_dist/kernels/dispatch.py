@@ -63,11 +63,14 @@ def use_backend(name: Backend) -> Iterator[None]:
 
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """``(x L) R + bias``; x: (..., N_in), L: (N_in, r), R: (r, N_out) -> (..., N_out)."""
+    x2d = x.reshape(-1, x.shape[-1])  # (T, N_in): both backends take 2-D activations
     if resolve_backend(x) == "triton":
         from comera_dist.kernels import ops  # imports triton; only on this path
 
-        return ops.tt_linear(x, L, R, bias)
-    return contract.tt_linear_lr(x, L, R, bias)
+        y = ops.tt_linear(x2d, L, R, bias)  # (T, N_out)
+    else:
+        y = contract.tt_linear_lr(x2d, L, R, bias)  # (T, N_out)
+    return y.reshape(*x.shape[:-1], R.shape[-1])
 
 
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:

@@ -20,9 +20,21 @@ def _probe():
 INTERPRET: bool = isinstance(_probe, InterpretedFunction)
 
 
-def pow2_block(n: int, cap: int) -> int:
-    """The smallest power of two >= n, clamped to [16, cap] (compiled ``tl.dot`` needs >= 16)."""
-    return max(16, min(cap, triton.next_power_of_2(max(1, n))))
+def tune_configs(candidates: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """Autotuning candidates ``(BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages)``.
+
+    The interpreter gets only the first: it ignores warps/stages and runs programs one by one,
+    so tuning there would only cost time. Blocks stay >= 16 (compiled ``tl.dot`` needs it).
+    """
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_K": k, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, k, n, w, s in candidates]
+    return configs[:1] if INTERPRET else configs
+
+
+def warp_configs(warps: tuple[int, ...]) -> list[triton.Config]:
+    """Autotuning candidates over ``num_warps`` only (kernels whose tiles are fixed by the shapes)."""
+    configs = [triton.Config({}, num_warps=w) for w in warps]
+    return configs[:1] if INTERPRET else configs
 
 
 def dot_precision(dtype: torch.dtype) -> str:

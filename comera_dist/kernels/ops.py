@@ -114,12 +114,10 @@ def _autocast(*tensors: Tensor | None) -> list[Tensor | None]:
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """Fused ``(x L) R + bias``; x (..., N_in), L (N_in, r), R (r, N_out) -> (..., N_out)."""
     lead = x.shape[:-1]
-    x, L, R = _autocast(x, L, R)
-    # Under autocast the bias add promotes (bf16 + fp32 -> fp32) exactly as in the reference.
-    fused_bias = bias if bias is None or bias.dtype == x.dtype else None
-    y = torch.ops.comera.tt_linear(x.reshape(-1, x.shape[-1]), L, R, fused_bias)  # (T, N_out)
-    y = y.reshape(*lead, R.shape[-1])
-    return y if fused_bias is not None or bias is None else y + bias
+    # Like the reference's addmm under autocast: the bias is cast with the operands.
+    x, L, R, bias = _autocast(x, L, R, bias)
+    y = torch.ops.comera.tt_linear(x.reshape(-1, x.shape[-1]), L, R, bias)  # (T, N_out)
+    return y.reshape(*lead, R.shape[-1])
 
 
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:

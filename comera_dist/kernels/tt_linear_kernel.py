@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, pow2_block, split_count
+from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, split_count, tune_configs
+
+# Autotuning candidates (BLOCK_M, BLOCK_K, BLOCK_N, warps, stages); the interpreter uses only the first.
+_CONFIGS = tune_configs([(32, 32, 32, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3),
+                         (128, 64, 128, 8, 3), (64, 128, 64, 4, 4), (32, 64, 64, 4, 3)])
+_NOMINAL_BLOCK = 64  # block size the host-side split heuristics assume
 
 
 @triton.jit
@@ -31,10 +36,11 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "RANK", "HAS_BIAS"])
 @triton.jit
 def _tt_linear_fwd_kernel(
     x_ptr, l_ptr, r_ptr, b_ptr, y_ptr,
-    T, N_IN, N_OUT, RANK, N_BLOCKS_PER_PROG,
+    T, N_IN, N_OUT, RANK,
     stride_xm, stride_xk, stride_lk, stride_lr, stride_rr, stride_rn, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -58,9 +64,10 @@ def _tt_linear_fwd_kernel(
     # Round H to the operand dtype like the unfused path does (a no-op in fp32).
     h_op = h.to(r_ptr.dtype.element_ty)  # (BM, RP)
 
-    # This program writes N_BLOCKS_PER_PROG consecutive output tiles from the same H.
-    n_first = pid_n * N_BLOCKS_PER_PROG * BLOCK_N
-    for j in range(N_BLOCKS_PER_PROG):
+    # The programs of one row tile share its output tiles: each writes `per_prog` of them from its H.
+    per_prog = tl.cdiv(tl.cdiv(N_OUT, BLOCK_N), tl.num_programs(1))
+    n_first = pid_n * per_prog * BLOCK_N
+    for j in range(per_prog):
         n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         mask_n = n < N_OUT
         rn = tl.load(r_ptr + offs_r[:, None] * stride_rr + n[None, :] * stride_rn,
@@ -72,6 +79,7 @@ def _tt_linear_fwd_kernel(
                  y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "RANK", "NEED_DX", "NEED_H"])
 @triton.jit
 def _tt_linear_bwd_dx_kernel(
     dy_ptr, x_ptr, l_ptr, r_ptr, dx_ptr, g_ptr, h_ptr,
@@ -122,29 +130,33 @@ def _tt_linear_bwd_dx_kernel(
         tl.store(h_ptr + gh_offs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
+@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "NEED_DL", "NEED_DR", "NEED_DB"])
 @triton.jit
 def _tt_linear_bwd_w_kernel(
     x_ptr, g_ptr, h_ptr, dy_ptr, dl_ptr, dr_ptr, db_ptr,
-    T, N_IN, N_OUT, N_K_BLOCKS, ROWS_PER_SPLIT,
+    T, N_IN, N_OUT,
     stride_xm, stride_xk, stride_dym, stride_dyn,
-    NEED_DR: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DL: tl.constexpr, NEED_DR: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Split-T reductions: programs [0, N_K_BLOCKS) make dL partials, the rest dR/db partials.
+    """Split-T reductions: programs [0, n_k_blocks) make dL partials, the rest dR/db partials.
 
     The two branches use distinct accumulator names: compiled Triton requires a name to keep
     one type across ``if``/``else`` (the interpreter does not check this).
 
     Partial sums are fp32, shaped (splits, N_in, R_PAD), (splits, R_PAD, N_out), (splits, N_out);
-    the wrapper sums over the split axis (deterministic, no atomics).
+    the wrapper sums over the split axis (deterministic, no atomics). Every split writes its
+    slice, an empty one (past T) zeros.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_r = tl.arange(0, R_PAD)  # (RP,)
-    t_begin = split * ROWS_PER_SPLIT
-    t_end = tl.minimum(t_begin + ROWS_PER_SPLIT, T)
-    if pid < N_K_BLOCKS:
+    rows_per_split = tl.cdiv(tl.cdiv(T, BLOCK_M), tl.num_programs(1)) * BLOCK_M
+    t_begin = split * rows_per_split
+    t_end = tl.minimum(t_begin + rows_per_split, T)
+    n_k_blocks = tl.cdiv(N_IN, BLOCK_K) * NEED_DL  # NEED_DL is 0 or 1
+    if pid < n_k_blocks:
         k = pid * BLOCK_K + tl.arange(0, BLOCK_K)  # (BK,)
         mask_k = k < N_IN
         acc_l = tl.zeros((BLOCK_K, R_PAD), dtype=tl.float32)  # (BK, RP) = sum_t X[t, k]^T G[t]
@@ -158,7 +170,7 @@ def _tt_linear_bwd_w_kernel(
         tl.store(dl_ptr + split * N_IN * R_PAD + k[:, None] * R_PAD + offs_r[None, :], acc_l,
                  mask=mask_k[:, None])
     else:
-        n = (pid - N_K_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        n = (pid - n_k_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         mask_n = n < N_OUT
         acc_r = tl.zeros((R_PAD, BLOCK_N), dtype=tl.float32)  # (RP, BN) = sum_t H[t]^T dY[t, n]
         acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # (BN,) = sum_t dY[t, n]
@@ -196,9 +208,8 @@ def _check(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None) -> None:
     check_same_device("tt_linear", x=x, L=L, R=R, bias=bias)
 
 
-def _blocks(T: int, n_in: int, n_out: int, rank: int) -> tuple[int, int, int, int]:
-    r_pad = max(16, triton.next_power_of_2(rank))
-    return pow2_block(T, 64), pow2_block(n_in, 64), pow2_block(n_out, 64), r_pad
+def _r_pad(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
 
 
 def tt_linear_fwd(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None, *,
@@ -214,17 +225,19 @@ def tt_linear_fwd(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None, *
     y = torch.empty((T, n_out), dtype=x.dtype, device=x.device)  # (T, N_out)
     if T == 0 or n_out == 0:
         return y
-    bm, bk, bn, r_pad = _blocks(T, n_in, n_out, rank)
-    m_blocks, n_blocks = triton.cdiv(T, bm), triton.cdiv(n_out, bn)
-    splits = split_count(m_blocks, n_blocks, x.device) if n_split is None else max(1, min(n_split, n_blocks))
-    per_prog = triton.cdiv(n_blocks, splits)
-    grid = (m_blocks, triton.cdiv(n_blocks, per_prog))
+    nominal_n = triton.cdiv(n_out, _NOMINAL_BLOCK)
+    want = split_count(triton.cdiv(T, _NOMINAL_BLOCK), nominal_n, x.device) if n_split is None else n_split
+
+    def grid(meta):
+        n_blocks = triton.cdiv(n_out, meta["BLOCK_N"])
+        per_prog = triton.cdiv(n_blocks, max(1, min(want, n_blocks)))
+        return triton.cdiv(T, meta["BLOCK_M"]), triton.cdiv(n_blocks, per_prog)  # no idle programs
+
     _tt_linear_fwd_kernel[grid](
         x, L, R, bias if bias is not None else y, y,
-        T, n_in, n_out, rank, per_prog,
+        T, n_in, n_out, rank,
         x.stride(0), x.stride(1), L.stride(0), L.stride(1), R.stride(0), R.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, R_PAD=r_pad,
-        DOT_FP32=INTERPRET, PRECISION=dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, R_PAD=_r_pad(rank), DOT_FP32=INTERPRET, PRECISION=dot_precision(x.dtype),
     )
     return y
 
@@ -243,41 +256,42 @@ def tt_linear_bwd(dy: Tensor, x: Tensor, L: Tensor, R: Tensor, *, need_dx: bool 
     if tuple(dy.shape) != (T, n_out) or dy.dtype != x.dtype:
         raise ValueError(f"tt_linear backward: grad must be ({T}, {n_out}) {x.dtype}, got "
                          f"{tuple(dy.shape)} {dy.dtype}")
-    bm, bk, bn, r_pad = _blocks(T, n_in, n_out, rank)
+    r_pad = _r_pad(rank)
+    common = {"R_PAD": r_pad, "DOT_FP32": INTERPRET, "PRECISION": dot_precision(x.dtype)}
     dx = torch.empty_like(x) if need_dx else None  # (T, N_in)
     if T == 0:  # no tokens: every gradient is an exact zero
         return (dx, torch.zeros_like(L) if need_dl else None, torch.zeros_like(R) if need_dr else None,
                 torch.zeros((n_out,), dtype=x.dtype, device=x.device) if need_db else None)
-    need_g = need_dx or need_dl
     g = torch.empty((T, r_pad), dtype=x.dtype, device=x.device)  # (T, RP) = dY R^T
     h = torch.empty((T, r_pad), dtype=x.dtype, device=x.device) if need_dr else g  # (T, RP) = X L
-    if need_g or need_dr:
-        _tt_linear_bwd_dx_kernel[(triton.cdiv(T, bm),)](
+    if need_dx or need_dl or need_dr:
+        _tt_linear_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]),)](
             dy, x, L, R, dx if dx is not None else g, g, h,
             T, n_in, n_out, rank,
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), L.stride(0), L.stride(1),
             R.stride(0), R.stride(1), dx.stride(0) if dx is not None else 0, dx.stride(1) if dx is not None else 0,
-            NEED_DX=need_dx, NEED_H=need_dr, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, R_PAD=r_pad,
-            DOT_FP32=INTERPRET, PRECISION=dot_precision(x.dtype),
+            NEED_DX=need_dx, NEED_H=need_dr, **common,
         )
     dl = dr = db = None
-    k_blocks = triton.cdiv(n_in, bk) if need_dl else 0
-    n_blocks = triton.cdiv(n_out, bn) if (need_dr or need_db) else 0
-    if k_blocks + n_blocks:
-        m_blocks = triton.cdiv(T, bm)
-        splits = split_count(k_blocks + n_blocks, m_blocks, x.device) if t_split is None else max(1, min(t_split, m_blocks))
-        rows = triton.cdiv(m_blocks, splits) * bm
-        splits = triton.cdiv(T, rows)
+    need_cols = need_dr or need_db
+    if need_dl or need_cols:
+        tiles = triton.cdiv(n_in, _NOMINAL_BLOCK) * need_dl + triton.cdiv(n_out, _NOMINAL_BLOCK) * need_cols
+        m_tiles = triton.cdiv(T, _NOMINAL_BLOCK)
+        splits = split_count(tiles, m_tiles, x.device) if t_split is None else max(1, min(t_split, T))
         f32 = {"dtype": torch.float32, "device": x.device}
         dl_part = torch.empty((splits, n_in, r_pad), **f32) if need_dl else g  # (S, N_in, RP)
         dr_part = torch.empty((splits, r_pad, n_out), **f32) if need_dr else g  # (S, RP, N_out)
         db_part = torch.empty((splits, n_out), **f32) if need_db else g  # (S, N_out)
-        _tt_linear_bwd_w_kernel[(k_blocks + n_blocks, splits)](
+
+        def grid(meta):
+            return (triton.cdiv(n_in, meta["BLOCK_K"]) * need_dl + triton.cdiv(n_out, meta["BLOCK_N"]) * need_cols,
+                    splits)
+
+        _tt_linear_bwd_w_kernel[grid](
             x, g, h, dy, dl_part, dr_part, db_part,
-            T, n_in, n_out, k_blocks, rows,
+            T, n_in, n_out,
             x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-            NEED_DR=need_dr, NEED_DB=need_db, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, R_PAD=r_pad,
-            DOT_FP32=INTERPRET, PRECISION=dot_precision(x.dtype),
+            NEED_DL=int(need_dl), NEED_DR=need_dr, NEED_DB=need_db, **common,
         )
         if need_dl:
             dl = dl_part.sum(0)[:, :rank].to(L.dtype)  # (N_in, r)
@@ -286,4 +300,3 @@ def tt_linear_bwd(dy: Tensor, x: Tensor, L: Tensor, R: Tensor, *, need_dx: bool 
         if need_db:
             db = db_part.sum(0).to(x.dtype)  # (N_out,)
     return dx, dl, dr, db
-

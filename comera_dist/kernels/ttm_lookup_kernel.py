@@ -22,9 +22,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision
+from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, warp_configs
+
+# The tiles are fixed by (N1, r, N2); only the warp count is worth tuning for these small products.
+_CONFIGS = warp_configs((4, 2, 1, 8))
 
 
+@triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
 @triton.jit
 def _ttm_lookup_fwd_kernel(
     uniq_ptr, offsets_ptr, order_ptr, a_ptr, b_ptr, out_ptr,
@@ -60,6 +64,7 @@ def _ttm_lookup_fwd_kernel(
         tl.store(out_ptr + t * stride_om + cols, rows, mask=mask)
 
 
+@triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
 @triton.jit
 def _ttm_lookup_bwd_a_kernel(
     group_ptr, group_off_ptr, uniq_ptr, offsets_ptr, order_ptr, dout_ptr, b_ptr, drows_ptr, da_ptr,
@@ -97,6 +102,7 @@ def _ttm_lookup_bwd_a_kernel(
              acc.to(da_ptr.dtype.element_ty), mask=mask_n1[:, None] & mask_r[None, :])
 
 
+@triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
 @triton.jit
 def _ttm_lookup_bwd_b_kernel(
     group_ptr, group_off_ptr, by_i2_ptr, uniq_ptr, a_ptr, drows_ptr, db_ptr,

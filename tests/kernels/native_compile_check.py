@@ -5,6 +5,8 @@ rules, dtypes of ``tl.dot`` operands, constexpr branches). This script records t
 real wrappers issue for fp32 and bf16 at paper shapes (no kernel runs), then compiles each one
 down to a cubin with Triton's bundled LLVM and ptxas. Run by test_native_compile.py in a
 subprocess, because the kernels must be decorated with TRITON_INTERPRET unset.
+
+    TRITON_INTERPRET=0 python tests/kernels/native_compile_check.py [--all-configs]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
 
 from comera_dist.kernels import tt_linear_kernel, ttm_lookup_kernel
 
@@ -74,21 +77,37 @@ def signature(kernel, args: tuple, constexprs: dict) -> tuple[dict, dict]:
     return sig, const
 
 
+def variants(kernel, constexprs: dict, all_configs: bool) -> list[tuple[object, dict, dict]]:
+    """(jit function, constexprs, compile options) per autotuning config of ``kernel``.
+
+    By default only the config with the largest tiles (the likeliest to break a limit) and the
+    most warps; ``all_configs`` compiles every one (about 100 variants, minutes of CPU).
+    """
+    if not isinstance(kernel, Autotuner):
+        return [(kernel, constexprs, {})]
+    configs = kernel.configs if all_configs else [max(
+        kernel.configs, key=lambda c: (c.kwargs.get("BLOCK_M", 1) * c.kwargs.get("BLOCK_N", 1), c.num_warps))]
+    return [(kernel.fn, {**constexprs, **cfg.kwargs}, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            for cfg in configs]
+
+
 def main() -> int:
+    all_configs = "--all-configs" in sys.argv[1:]
     record_launches()
     target = GPUTarget("cuda", 90, 32)
     seen = set()
-    for kernel, args, constexprs in launches:
-        sig, const = signature(kernel, args, constexprs)
-        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())))
-        if key in seen:
-            continue
-        seen.add(key)
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=const), target=target)
-        assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
-        dtype = next(v for v in sig.values() if v.startswith(("*f", "*b")))
-        print(f"compiled {kernel.__name__} sm_90 {dtype} {dict(sorted(constexprs.items()))} "
-              f"shared={compiled.metadata.shared}B")
+    for kernel, args, recorded in launches:
+        for fn, constexprs, options in variants(kernel, recorded, all_configs):
+            sig, const = signature(fn, args, constexprs)
+            key = (fn.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target, options=options)
+            assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin"
+            dtype = next(v for v in sig.values() if v.startswith(("*f", "*b")))
+            print(f"compiled {fn.__name__} sm_90 {dtype} {dict(sorted(constexprs.items()))} {options} "
+                  f"shared={compiled.metadata.shared}B")
     print(f"OK {len(seen)} kernel variants compiled for sm_90")
     return 0
 

@@ -135,3 +135,13 @@ def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it():
     assert proc.returncode != 0
     assert "RuntimeError: tt_linear: the Triton kernels need CUDA tensors, got cpu" in proc.stderr
     assert "TRITON_INTERPRET=1" in proc.stderr and "COMERA_KERNELS=torch" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_leading_dims_on_both_backends(backend):
+    x, L, R, b = _tt_args()
+    x3 = torch.cat([x, x]).reshape(2, 5, 16)  # (B, S, N_in)
+    with dispatch.use_backend(backend):
+        y = dispatch.tt_linear(x3, L, R, b)  # (B, S, N_out)
+    assert y.shape == (2, 5, 16)
+    torch.testing.assert_close(y[1], tt_linear_lr(x, L, R, b), rtol=1e-4, atol=1e-4)

@@ -77,7 +77,7 @@ def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
 
 
 def test_autocast_matches_the_reference_path():
-    """Custom ops are invisible to autocast: the wrapper casts like torch's matmul, bias add promotes."""
+    """Custom ops are invisible to autocast: the wrapper casts like the reference's matmul/addmm do."""
     g = torch.Generator().manual_seed(0)
     x, b = torch.randn(20, 18, generator=g), torch.randn(17, generator=g)
     L, R = torch.randn(18, 5, generator=g) / 18**0.5, torch.randn(5, 17, generator=g) / 5**0.5

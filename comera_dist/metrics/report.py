@@ -34,6 +34,8 @@ def write_report(history: History, output_dir: str | Path, *, run_name: str, wor
     lines.append(f"- last step logged: {last_step if last_step is not None else 'none'}")
     ok = sum(1 for _, good, _ in history.checkpoints if good)
     lines.append(f"- checkpoints: {ok} saved, {len(history.checkpoints) - ok} failed")
+    switch = _stage_switch(history)
+    lines.append(f"- late stage from step {switch}" if switch is not None else "- stayed in the early stage")
     best = history.best("val_loss")
     if best:
         lines.append(f"- best validation loss: {best[1]:.4f} at step {best[0]}")
@@ -69,6 +71,9 @@ def _plot_lines(history: History, keys: list[str], ylabel: str, path: Path) -> b
     for key in present:
         steps, values = zip(*history.scalars[key])
         ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+    switch = _stage_switch(history)
+    if switch is not None:
+        ax.axvline(switch, color="grey", linestyle="--", linewidth=1, label="late stage")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -77,6 +82,11 @@ def _plot_lines(history: History, keys: list[str], ylabel: str, path: Path) -> b
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def _stage_switch(history: History) -> int | None:
+    """First step logged in the late stage (stage 1), if the run got there."""
+    return next((s for s, v in history.scalars.get("stage", []) if v >= 1), None)
 
 
 def _plot_rank_heatmap(history: History, path: Path) -> bool:
@@ -93,7 +103,9 @@ def _plot_rank_heatmap(history: History, path: Path) -> bool:
                 grid[index[(layer, b)]][j] = r
     steps = [s for s, _ in history.ranks]
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.22 * len(rows) + 1.5)))
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    top = max((r for row in grid for r in row if not math.isnan(r)), default=1)
+    # the scale starts at 0 so that shrinking ranks read as shrinking, not as a relative wobble
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=max(top, 1))
     ax.set_yticks(range(len(rows)), [f"{layer}[{b}]" for layer, b in rows], fontsize=6)
     ticks = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))})
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])

@@ -157,7 +157,7 @@ def test_report_markdown_and_pngs(tmp_path):
     m.close()
     md = (tmp_path / "report.md").read_text()
     assert "# Run report: rep" in md and "- checkpoints: 1 saved, 0 failed" in md
-    assert "- best validation loss: 2.7000 at step 4" in md
+    assert "- best validation loss: 2.7000 at step 4" in md and "- late stage from step 3" in md
     assert "| objective | 9 | 9 | 9 | 9 |" in md  # unknown keys kept for the report
     assert "| train_loss | 3 | nan | 2.5 | 3 |" in md
     assert "| enc.q | [4, 4] -> [4, 2] |" in md

@@ -78,14 +78,25 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
 
 
-def load_run(spec: str | Path) -> LoadedRun:
-    """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights."""
-    path = locate(spec)
+def _read(path: Path) -> tuple[RunConfig, dict[str, Any]]:
+    """The resolved config and side metadata of checkpoint ``path`` (no weights read)."""
     try:
         cfg = build_run_config(yaml.safe_load((path / ckpt.CONFIG).read_text()))
         meta = ckpt.read_meta(path)
     except (OSError, ckpt.CheckpointError, yaml.YAMLError) as e:
         raise InputError(f"checkpoint {path}: {e}") from e
+    return cfg, meta
+
+
+def _tokenizer_dir(path: Path, cfg: RunConfig) -> Path:
+    beside = path.parent.parent / "tokenizer"  # <run>/checkpoints/<tag> -> <run>/tokenizer (moved runs)
+    return beside if beside.is_dir() else Path(cfg.train.output_dir) / "tokenizer"
+
+
+def load_run(spec: str | Path) -> LoadedRun:
+    """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights."""
+    path = locate(spec)
+    cfg, meta = _read(path)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_model(cfg.model, cfg.comera), plans)
     state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))
@@ -95,9 +106,7 @@ def load_run(spec: str | Path) -> LoadedRun:
         raise InputError(f"checkpoint {path} does not match its config's model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     model.eval()
-    beside = path.parent.parent / "tokenizer"  # <run>/checkpoints/<tag> -> <run>/tokenizer (moved runs)
-    tokenizer_dir = beside if beside.is_dir() else Path(cfg.train.output_dir) / "tokenizer"
-    return LoadedRun(path=path, cfg=cfg, model=model, state=state, tokenizer_dir=tokenizer_dir)
+    return LoadedRun(path=path, cfg=cfg, model=model, state=state, tokenizer_dir=_tokenizer_dir(path, cfg))
 
 
 @torch.no_grad()
@@ -106,10 +115,10 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     """Token-weighted MLM (or causal) loss and arg-max accuracy of a checkpoint on local files."""
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
-    run = load_run(checkpoint)
-    cfg = run.cfg
-    try:
-        tokenizer = load_tokenizer(run.tokenizer_dir)
+    path = locate(checkpoint)
+    cfg, _ = _read(path)
+    try:  # the data first: bad input fails before any weights are read
+        tokenizer = load_tokenizer(_tokenizer_dir(path, cfg))
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
                                    show_progress=False)
@@ -118,6 +127,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
                                     collator=collator, max_batches=max_batches))
     except DataError as e:
         raise InputError(str(e)) from e
+    run = load_run(path)
     causal = isinstance(run.model, GPT)
     loss_sum, correct, count = 0.0, 0, 0
     for batch in batches:

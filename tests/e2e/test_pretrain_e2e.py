@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from comera_dist import cli
+
 REPO = Path(__file__).resolve().parents[2]
 COMERA = [sys.executable, "-m", "comera_dist.cli"]
 CACHE = Path(os.environ.get("COMERA_TEST_CACHE", Path(tempfile.gettempdir()) / "comera-dist-test-cache"))
@@ -73,20 +75,34 @@ def test_pretrain_writes_checkpoints_config_and_report(run_dir):
     assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
 
 
-def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus):
-    p = comera("evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--json", "--batch-size", "4")
-    assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(p.stdout.strip().splitlines()[-1])
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``comera ARGS`` in this process (evaluate/export start no process group)."""
+    rc = cli.main(list(args))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
+    rc, out, err = in_process(capsys, "evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--json",
+                              "--batch-size", "4")
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["checkpoint"].endswith("step00000006")
     assert result["masked_tokens"] > 0 and result["batches"] > 0
     assert 0.0 < result["loss"] < 20.0 and 0.0 <= result["accuracy"] <= 1.0
-    # Deterministic: the same masks give the same numbers.
-    again = comera("evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step00000006"), "--data",
-                   str(corpus), "--json", "--batch-size", "4")
-    assert json.loads(again.stdout.strip().splitlines()[-1])["loss"] == result["loss"]
+    # Deterministic: the same masks give the same numbers, from the checkpoint directory itself too.
+    rc, out, _ = in_process(capsys, "evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step00000006"),
+                            "--data", str(corpus), "--json", "--batch-size", "4")
+    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["loss"] == result["loss"]
+    # Bad input: a missing checkpoint, an empty corpus.
+    (corpus.parent / "empty.txt").write_text("\n")
+    for args, needle in ((["--checkpoint", str(corpus / "none"), "--data", str(corpus)], "no such directory"),
+                         (["--checkpoint", str(run_dir), "--data", str(corpus.parent / "empty.txt")], "empty corpus")):
+        rc, _, err = in_process(capsys, "evaluate", *args)
+        assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
 
-def test_export_round_trips(run_dir, tmp_path):
+def test_export_round_trips(run_dir, tmp_path, capsys):
     from transformers import AutoModelForMaskedLM
 
     from comera_dist.engine.evaluate import load_run
@@ -98,8 +114,9 @@ def test_export_round_trips(run_dir, tmp_path):
         expected = run.model(ids)["logits"]  # (2, 16, V)
 
     for fmt in ("dense-hf", "tt", "consolidated"):
-        p = comera("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt), "--format", fmt)
-        assert p.returncode == 0, p.stderr[-3000:]
+        rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt),
+                                "--format", fmt)
+        assert rc == 0, err[-3000:]
     with torch.no_grad():
         hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "dense-hf").eval()
         torch.testing.assert_close(hf(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
@@ -110,8 +127,10 @@ def test_export_round_trips(run_dir, tmp_path):
     assert all(torch.equal(state[k], run.state[k]) for k in state)
     assert (tmp_path / "dense-hf" / "tokenizer.json").is_file()
     # An existing non-empty --out is refused, untouched.
-    p = comera("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "tt"), "--format", "tt")
-    assert p.returncode == 2 and "not an empty directory" in p.stderr
+    before = sorted(p.name for p in (tmp_path / "tt").iterdir())
+    rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "tt"))
+    assert rc == 2 and "not an empty directory" in err
+    assert sorted(p.name for p in (tmp_path / "tt").iterdir()) == before
 
 
 def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
@@ -120,7 +139,7 @@ def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
     assert len(errors) == 1 and needle in errors[0], p.stderr[-3000:]
 
 
-def test_bad_data_input_exit_2_nothing_written(run_dir, tmp_path):
+def test_bad_data_input_exit_2_nothing_written(tmp_path):
     out = tmp_path / "run"
     base = ["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}"]
     # The tokenizer has 512 tokens; a 100-row embedding cannot take them.
@@ -143,8 +162,3 @@ def test_bad_data_input_exit_2_nothing_written(run_dir, tmp_path):
         subprocess.run(["cp", "-r", str(entry), str(cache / entry.name)], check=True)
     _one_line_exit_2(comera(*base, "--set", f"data.cache_dir={cache}"), "unreadable cache entry")
     assert not out.exists()
-    # Evaluate: a missing checkpoint, an empty corpus.
-    _one_line_exit_2(comera("evaluate", "--checkpoint", str(tmp_path / "none"), "--data", str(tmp_path)),
-                     "no such directory")
-    _one_line_exit_2(comera("evaluate", "--checkpoint", str(run_dir), "--data", str(tmp_path / "empty.txt")),
-                     "empty corpus")

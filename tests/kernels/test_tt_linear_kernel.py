@@ -53,6 +53,29 @@ def test_split_grids_match_reference():
         torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("blocks", [(16, 64, 16), (64, 16, 32)])
+def test_other_autotune_block_shapes_match_reference(monkeypatch, blocks):
+    """The interpreter runs the first autotune config only; force others (on GPU the tuner picks any)."""
+    import triton
+
+    bm, bk, bn = blocks
+    for name in ("_tt_linear_fwd_kernel", "_tt_linear_bwd_dx_kernel", "_tt_linear_bwd_w_kernel"):
+        kernel = getattr(tt_linear_kernel, name)
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn})])
+        monkeypatch.setattr(kernel, "cache", {})
+    x, L, R, b = tt_operands(130, 40, 70, 9, bias=True)
+    y = tt_linear_kernel.tt_linear_fwd(x, L, R, b, n_split=3)  # (130, 70)
+    torch.testing.assert_close(y, tt_linear_lr(x, L, R, b), rtol=1e-4, atol=1e-4)
+    dy = torch.randn_like(y)
+    leaves = [t.clone().requires_grad_(True) for t in (x, L, R, b)]
+    tt_linear_lr(*leaves).backward(dy)
+    grads = tt_linear_kernel.tt_linear_bwd(dy, x, L, R, need_db=True, t_split=3)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-4)
+    for name in ("_tt_linear_fwd_kernel", "_tt_linear_bwd_dx_kernel", "_tt_linear_bwd_w_kernel"):
+        assert getattr(tt_linear_kernel, name).best_config.kwargs == {"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_N": bn}
+
+
 def test_only_requested_gradients_are_computed():
     x, L, R, _ = tt_operands(20, 18, 17, 5, bias=True)
     dy = torch.randn(20, 17)

@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed.comm as dist
+import torch
 import yaml
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 MARKER = "COMPLETE"
 META = "comera_meta.json"
@@ -146,6 +150,28 @@ def resolve(spec: str, root: Path) -> Path | None:
     return path
 
 
+# The only non-tensor classes DeepSpeed 0.19 pickles into its shards (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3 checkpoints).
+DEEPSPEED_SAFE_GLOBALS = [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def verify_weights_only(path: Path) -> None:
+    """Load every shard of checkpoint ``path`` with ``torch.load(weights_only=True)`` first.
+
+    DeepSpeed's own loader uses ``weights_only=False`` (hard-coded in 0.19), so a tampered
+    shard could run code; this gate refuses any shard that holds more than tensors, plain
+    data and DeepSpeed's three known classes, before DeepSpeed unpickles it. It costs one
+    extra read of the checkpoint.
+    """
+    with torch.serialization.safe_globals(DEEPSPEED_SAFE_GLOBALS):
+        for shard in sorted(Path(path).glob("*.pt")):
+            try:
+                torch.load(shard, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any failure means the shard is not plain data
+                raise CheckpointError(f"{shard} does not load with weights_only=True (unexpected pickled "
+                                      f"objects?): {str(e).splitlines()[0]}") from e
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The side metadata of a checkpoint (plain JSON, readable without DeepSpeed or pickle)."""
     try:
@@ -156,9 +182,10 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def check_compatible(meta: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
     """Raise ``CheckpointError`` naming every config key whose value differs from the checkpoint's."""
-    saved = meta.get("identity", {})
-    diffs = [f"{key}: checkpoint {saved.get(key)!r} vs config {value!r}"
-             for key, value in _flatten(identity).items() if _flatten(saved).get(key) != value]
+    saved = _flatten(meta.get("identity", {}))
+    ours = _flatten(identity)
+    diffs = [f"{key}: checkpoint {saved.get(key)!r} vs config {ours.get(key)!r}"
+             for key in sorted(set(saved) | set(ours)) if saved.get(key) != ours.get(key)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} was written by an incompatible config (model dimensions or "
                               "tensorization differ):\n  " + "\n  ".join(diffs))

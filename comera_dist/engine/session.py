@@ -33,6 +33,8 @@ from comera_dist.engine.prune import (gather_full_state, load_full_state, model_
 from comera_dist.models.gpt import GPT
 
 Batch = Mapping[str, Tensor]
+SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+              "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +288,11 @@ class TrainSession:
 
     def identity(self) -> dict[str, Any]:
         """The config values a checkpoint must share with the run loading it."""
-        return {"model": to_dict(self.cfg.model), "tensorize": to_dict(self.cfg.comera.tensorize),
+        model = to_dict(self.cfg.model)
+        tensorize = to_dict(self.cfg.comera.tensorize)
+        # Only what fixes parameter shapes: dropout, init scales etc. may change on resume.
+        return {"model": {k: model[k] for k in SHAPE_KEYS if k in model},
+                "tensorize": {k: v for k, v in tensorize.items() if k != "init"},
                 "comera_enabled": self.cfg.comera.enabled}
 
     def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, before_publish=None) -> Path:
@@ -326,6 +332,7 @@ class TrainSession:
             old.destroy()
             self._use(self._initialize(self.cfg, model, self.world_size))
             self.plans = plans
+        ckpt.verify_weights_only(path)
         loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
         if loaded is None:
             raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")

@@ -8,11 +8,13 @@ Reference: ``comera_dist.tensor.contract.ttm_lookup_pairs``. For a row id ``i`` 
               dA[i1]    = sum over ids u with that i1 of dRows[u] @ B[:, i2]^T
               dB[:, i2] = sum over ids u with that i2 of A[i1]^T @ dRows[u]
 
-Deduplication: ids are sorted once; each distinct id is one program that computes its slice
-product once and writes it to every token position holding that id. The backward is a sorted
-segment reduction (no atomics, deterministic): the distinct ids are already grouped by ``i1``
-(they are sorted), and a stable sort by ``i2`` groups them for ``dB``; each group is one program
-that accumulates on chip and writes its slice of dA or dB once.
+Deduplication: ids are sorted once and each distinct id's run of token positions is cut into
+chunks of at most ``run`` tokens (so one frequent id, e.g. padding, cannot serialize the launch).
+A chunk is one program: it computes the id's slice product once and writes it to its positions;
+an id costs ``ceil(count / run)`` products instead of ``count``. The backward is a sorted segment
+reduction (no atomics, deterministic): chunks sum their dOut rows, the distinct ids are already
+grouped by ``i1`` (they are sorted) and a stable sort by ``i2`` groups them for ``dB``; each group
+is one program that accumulates on chip and writes its slice of dA or dB once.
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precisi
 
 # The tiles are fixed by (N1, r, N2); only the warp count is worth tuning for these small products.
 _CONFIGS = warp_configs((4, 2, 1, 8))
+RUN = 32  # most token positions one program handles (bounds the work of very frequent ids)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
 @triton.jit
 def _ttm_lookup_fwd_kernel(
-    uniq_ptr, offsets_ptr, order_ptr, a_ptr, b_ptr, out_ptr,
+    uniq_ptr, chunk_id_ptr, chunk_start_ptr, chunk_end_ptr, order_ptr, a_ptr, b_ptr, out_ptr,
     M2, N1, N2, RANK,
     stride_a0, stride_a1, stride_a2, stride_b0, stride_b1, stride_b2, stride_om,
     N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    u = tl.program_id(0)
-    row = tl.load(uniq_ptr + u)
+    """One program per chunk: the product for its id once, stored to the chunk's token positions."""
+    c = tl.program_id(0)
+    row = tl.load(uniq_ptr + tl.load(chunk_id_ptr + c))
     i1 = row // M2
     i2 = row % M2
     offs_n1 = tl.arange(0, N1_PAD)
@@ -57,19 +61,38 @@ def _ttm_lookup_fwd_kernel(
     rows = tl.dot(a, b, input_precision=PRECISION).to(out_ptr.dtype.element_ty)  # (N1P, N2P)
     cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P) flat column n1*N2 + n2
     mask = mask_n1[:, None] & mask_n2[None, :]
-    start = tl.load(offsets_ptr + u)
-    end = tl.load(offsets_ptr + u + 1)
-    for j in range(start, end):  # every token position that holds this id
+    for j in range(tl.load(chunk_start_ptr + c), tl.load(chunk_end_ptr + c)):  # <= run positions
         t = tl.load(order_ptr + j)
         tl.store(out_ptr + t * stride_om + cols, rows, mask=mask)
 
 
 @triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
 @triton.jit
+def _ttm_lookup_bwd_chunk_kernel(
+    chunk_start_ptr, chunk_end_ptr, order_ptr, dout_ptr, part_ptr,
+    N1, N2, stride_dom,
+    N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per chunk: the fp32 sum of its tokens' dOut rows (a partial of dRows[id])."""
+    c = tl.program_id(0)
+    offs_n1 = tl.arange(0, N1_PAD)
+    offs_n2 = tl.arange(0, N2_PAD)
+    mask = (offs_n1 < N1)[:, None] & (offs_n2 < N2)[None, :]
+    cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P)
+    acc = tl.zeros((N1_PAD, N2_PAD), dtype=tl.float32)  # (N1P, N2P)
+    for j in range(tl.load(chunk_start_ptr + c), tl.load(chunk_end_ptr + c)):
+        t = tl.load(order_ptr + j)
+        acc += tl.load(dout_ptr + t * stride_dom + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(part_ptr + c * N1 * N2 + cols, acc, mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
+@triton.jit
 def _ttm_lookup_bwd_a_kernel(
-    group_ptr, group_off_ptr, uniq_ptr, offsets_ptr, order_ptr, dout_ptr, b_ptr, drows_ptr, da_ptr,
+    group_ptr, group_off_ptr, uniq_ptr, chunk_off_ptr, part_ptr, b_ptr, drows_ptr, da_ptr,
     M2, N1, N2, RANK,
-    stride_dom, stride_b0, stride_b1, stride_b2, stride_da0, stride_da1, stride_da2,
+    stride_b0, stride_b1, stride_b2, stride_da0, stride_da1, stride_da2,
     N1_PAD: tl.constexpr, N2_PAD: tl.constexpr, R_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -88,9 +111,8 @@ def _ttm_lookup_bwd_a_kernel(
     for u in range(tl.load(group_off_ptr + p), tl.load(group_off_ptr + p + 1)):
         i2 = tl.load(uniq_ptr + u) % M2
         drow = tl.zeros((N1_PAD, N2_PAD), dtype=tl.float32)  # (N1P, N2P) = sum of this id's dOut rows
-        for j in range(tl.load(offsets_ptr + u), tl.load(offsets_ptr + u + 1)):
-            t = tl.load(order_ptr + j)
-            drow += tl.load(dout_ptr + t * stride_dom + cols, mask=mask, other=0.0).to(tl.float32)
+        for c in range(tl.load(chunk_off_ptr + u), tl.load(chunk_off_ptr + u + 1)):  # its chunk partials
+            drow += tl.load(part_ptr + c * N1 * N2 + cols, mask=mask, other=0.0)
         tl.store(drows_ptr + u * N1 * N2 + cols, drow, mask=mask)
         b_t = tl.load(b_ptr + offs_n2[:, None] * stride_b2 + i2 * stride_b1 + offs_r[None, :] * stride_b0,
                       mask=mask_n2[:, None] & mask_r[None, :], other=0.0)  # (N2P, RP) = B[:, i2]^T
@@ -151,18 +173,29 @@ def _check(ids: Tensor, A: Tensor, B: Tensor) -> None:
 
 
 class _Sorted:
-    """The token ids sorted once: distinct ids, and each id's run of token positions."""
+    """The token ids sorted once: distinct ids, and each id's token positions cut into chunks.
 
-    __slots__ = ("offsets", "order", "uniq")
+    ``order`` (T,) lists token positions grouped by id; chunk ``c`` covers
+    ``order[chunk_start[c]:chunk_end[c]]`` (at most ``run`` positions, all holding id
+    ``uniq[chunk_id[c]]``); id ``u`` owns chunks ``chunk_off[u]:chunk_off[u+1]``.
+    """
 
-    def __init__(self, ids: Tensor, n_rows: int):
+    __slots__ = ("chunk_end", "chunk_id", "chunk_off", "chunk_start", "order", "uniq")
+
+    def __init__(self, ids: Tensor, n_rows: int, run: int):
         sorted_ids, order = torch.sort(ids, stable=True)  # (T,), (T,)
         if sorted_ids.numel() and (int(sorted_ids[0]) < 0 or int(sorted_ids[-1]) >= n_rows):
             raise ValueError(f"ttm_lookup: ids must lie in [0, {n_rows}) (M1*M2), got values in "
                              f"[{int(sorted_ids[0])}, {int(sorted_ids[-1])}]")
         self.uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
-        self.offsets = _offsets(counts)  # (U+1,) token runs in ``order``
         self.order = order  # (T,) token positions grouped by id
+        offsets = _offsets(counts)  # (U+1,) each id's run in ``order``
+        n_chunks = (counts + run - 1) // run  # (U,)
+        self.chunk_off = _offsets(n_chunks)  # (U+1,)
+        self.chunk_id = torch.repeat_interleave(torch.arange(counts.numel(), device=ids.device), n_chunks)  # (C,)
+        k = torch.arange(self.chunk_id.numel(), device=ids.device) - self.chunk_off[self.chunk_id]  # (C,) index within the id
+        self.chunk_start = offsets[self.chunk_id] + k * run  # (C,)
+        self.chunk_end = torch.minimum(self.chunk_start + run, offsets[self.chunk_id + 1])  # (C,)
 
 
 def _offsets(counts: Tensor) -> Tensor:
@@ -177,17 +210,20 @@ def _pads(A: Tensor, B: Tensor) -> dict[str, int]:
             "R_PAD": max(16, triton.next_power_of_2(rank))}
 
 
-def ttm_lookup_fwd(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
-    """Rows of the TTM table for ``ids`` (T,) from A (M1, N1, r), B (r, M2, N2) -> (T, N1*N2)."""
+def ttm_lookup_fwd(ids: Tensor, A: Tensor, B: Tensor, *, run: int = RUN) -> Tensor:
+    """Rows of the TTM table for ``ids`` (T,) from A (M1, N1, r), B (r, M2, N2) -> (T, N1*N2).
+
+    ``run``: most token positions one program writes (tests force small values).
+    """
     _check(ids, A, B)
     M1, N1, rank = A.shape
     M2, N2 = B.shape[1], B.shape[2]
     out = torch.empty((ids.numel(), N1 * N2), dtype=A.dtype, device=A.device)  # (T, N1*N2)
     if ids.numel() == 0:
         return out
-    s = _Sorted(ids.long(), M1 * M2)
-    _ttm_lookup_fwd_kernel[(s.uniq.numel(),)](
-        s.uniq, s.offsets, s.order, A, B, out,
+    s = _Sorted(ids.long(), M1 * M2, run)
+    _ttm_lookup_fwd_kernel[(s.chunk_id.numel(),)](
+        s.uniq, s.chunk_id, s.chunk_start, s.chunk_end, s.order, A, B, out,
         M2, N1, N2, rank,
         A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2), out.stride(0),
         **_pads(A, B), DOT_FP32=INTERPRET, PRECISION=dot_precision(A.dtype),
@@ -195,7 +231,7 @@ def ttm_lookup_fwd(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     return out
 
 
-def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor, *, run: int = RUN) -> tuple[Tensor, Tensor]:
     """Gradients ``(dA (M1, N1, r), dB (r, M2, N2))`` of the lookup for ``dout`` (T, N1*N2)."""
     _check(ids, A, B)
     M1, N1, rank = A.shape
@@ -208,15 +244,19 @@ def ttm_lookup_bwd(dout: Tensor, ids: Tensor, A: Tensor, B: Tensor) -> tuple[Ten
     dB = torch.zeros_like(B)  # (r, M2, N2)
     if ids.numel() == 0:
         return dA, dB
-    s = _Sorted(ids.long(), M1 * M2)
+    s = _Sorted(ids.long(), M1 * M2, run)
     common = {**_pads(A, B), "DOT_FP32": INTERPRET, "PRECISION": dot_precision(A.dtype)}
+    parts = torch.empty((s.chunk_id.numel(), N1 * N2), dtype=torch.float32, device=A.device)  # (C, N1*N2)
+    _ttm_lookup_bwd_chunk_kernel[(s.chunk_id.numel(),)](
+        s.chunk_start, s.chunk_end, s.order, dout, parts, N1, N2, dout.stride(0), **common,
+    )
     # Distinct ids are sorted, so ids sharing i1 = id // M2 are already contiguous.
     i1_groups, i1_counts = torch.unique_consecutive(s.uniq // M2, return_counts=True)  # (G1,), (G1,)
     drows = torch.empty((s.uniq.numel(), N1 * N2), dtype=torch.float32, device=A.device)  # (U, N1*N2)
     _ttm_lookup_bwd_a_kernel[(i1_groups.numel(),)](
-        i1_groups, _offsets(i1_counts), s.uniq, s.offsets, s.order, dout, B, drows, dA,
+        i1_groups, _offsets(i1_counts), s.uniq, s.chunk_off, parts, B, drows, dA,
         M2, N1, N2, rank,
-        dout.stride(0), B.stride(0), B.stride(1), B.stride(2), dA.stride(0), dA.stride(1), dA.stride(2),
+        B.stride(0), B.stride(1), B.stride(2), dA.stride(0), dA.stride(1), dA.stride(2),
         **common,
     )
     i2_sorted, by_i2 = torch.sort(s.uniq % M2, stable=True)  # (U,), (U,) distinct ids grouped by i2

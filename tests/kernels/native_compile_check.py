@@ -77,6 +77,11 @@ def signature(kernel, args: tuple, constexprs: dict) -> tuple[dict, dict]:
     return sig, const
 
 
+def _operand_type(args: tuple) -> str:
+    """The operand dtype a launch was made for (fp32 scratch buffers appear in bf16 launches too)."""
+    return "*bf16" if any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args) else "*fp32"
+
+
 def variants(kernel, constexprs: dict, all_configs: bool) -> list[tuple[object, dict, dict]]:
     """(jit function, constexprs, compile options) per autotuning config of ``kernel``.
 
@@ -105,7 +110,7 @@ def main() -> int:
             seen.add(key)
             compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target, options=options)
             assert compiled.asm.get("cubin"), f"{fn.__name__}: no cubin"
-            dtype = next(v for v in sig.values() if v.startswith(("*f", "*b")))
+            dtype = _operand_type(args)
             print(f"compiled {fn.__name__} sm_90 {dtype} {dict(sorted(constexprs.items()))} {options} "
                   f"shared={compiled.metadata.shared}B")
     print(f"OK {len(seen)} kernel variants compiled for sm_90")

@@ -20,9 +20,10 @@ def test_all_launched_kernel_variants_compile_for_sm90():
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     compiled = [ln for ln in proc.stdout.splitlines() if ln.startswith("compiled ")]
-    # 2 dtypes x (2 forward + 2x2 backward TT-linear variants + 3 lookup kernels)
-    assert len(compiled) == 18 and proc.stdout.rstrip().endswith("OK 18 kernel variants compiled for sm_90")
+    # 2 dtypes x (2 forward + 2x2 backward TT-linear variants + 4 lookup kernels)
+    assert len(compiled) == 20 and proc.stdout.rstrip().endswith("OK 20 kernel variants compiled for sm_90")
     assert {ln.split()[1] for ln in compiled} == {
         "_tt_linear_fwd_kernel", "_tt_linear_bwd_dx_kernel", "_tt_linear_bwd_w_kernel",
-        "_ttm_lookup_fwd_kernel", "_ttm_lookup_bwd_a_kernel", "_ttm_lookup_bwd_b_kernel"}
+        "_ttm_lookup_fwd_kernel", "_ttm_lookup_bwd_chunk_kernel", "_ttm_lookup_bwd_a_kernel",
+        "_ttm_lookup_bwd_b_kernel"}
     assert {ln.split()[3] for ln in compiled} == {"*fp32", "*bf16"}

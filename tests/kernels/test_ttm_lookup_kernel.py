@@ -40,6 +40,30 @@ def test_matches_reference_fp32(M1, N1, rank, M2, N2, T):
     compare_with_reference(ops.ttm_lookup, ttm_lookup_pairs, [ids, A, B], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("run", [1, 2, 5])
+def test_frequent_ids_split_into_chunks_match_reference(run):
+    """An id's positions are cut into chunks of <= run tokens; products and dRows are still exact."""
+    A, B = ttm_operands(5, 3, 4, 7, 5)
+    ids = _ids(23, 35, seed=7)  # one id holds 7 positions, others repeat too
+    ref_leaves = [A.clone().requires_grad_(True), B.clone().requires_grad_(True)]
+    ref = ttm_lookup_pairs(ids, *ref_leaves)
+    torch.testing.assert_close(ttm_lookup_kernel.ttm_lookup_fwd(ids, A, B, run=run), ref, rtol=1e-4, atol=1e-4)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(dout, ids, A, B, run=run)
+    torch.testing.assert_close(dA, ref_leaves[0].grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dB, ref_leaves[1].grad, rtol=1e-4, atol=1e-4)
+
+
+def test_chunks_cover_every_position_once():
+    s = ttm_lookup_kernel._Sorted(torch.tensor([4, 1, 4, 4, 0, 4, 4, 1]), 10, run=2)
+    assert s.uniq.tolist() == [0, 1, 4]
+    assert s.chunk_id.tolist() == [0, 1, 2, 2, 2] and s.chunk_off.tolist() == [0, 1, 2, 5]
+    covered = torch.cat([s.order[a:b] for a, b in zip(s.chunk_start.tolist(), s.chunk_end.tolist())])
+    assert sorted(covered.tolist()) == list(range(8))
+    assert max(b - a for a, b in zip(s.chunk_start.tolist(), s.chunk_end.tolist())) <= 2
+
+
 def test_all_tokens_one_id_and_all_ids_distinct():
     A, B = ttm_operands(4, 5, 6, 3, 7)
     for ids in (torch.full((9,), 7), torch.randperm(12)):

@@ -24,9 +24,9 @@ from torch import nn
 
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.config import RunConfig, build_run_config
+from comera_dist.data.collators import collator_for
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import eval_batches
-from comera_dist.data.collators import collator_for
 from comera_dist.data.prepare import check_compat, evaluation_corpus
 from comera_dist.data.tokenizer import load_tokenizer
 from comera_dist.engine import checkpoint as ckpt

@@ -98,14 +98,14 @@ def format_summary(s: dict[str, Any]) -> str:
     """Human-readable form of ``run_summary``."""
     p, c, f, b = s["params"], s["compression"], s["flops_per_token"], s["batch"]
     lines = [
-        f"model {s['arch']} on {s['world_size']} rank(s): batch {b['global']} = {b['micro']} micro x "
-        f"{b['accumulation']} accumulation x {s['world_size']} ranks ({b['tokens_per_step']:,} tokens/step)",
-        f"parameters: {p['total']:,} trained vs {p['dense_equivalent']:,} dense "
-        f"(TT cores {p['tensorized_active']:,} replace {p['tensorized_dense']:,}; dense leftovers "
-        f"{p['leftover']:,}; gates {p['gates']:,})",
+        (f"model {s['arch']} on {s['world_size']} rank(s): batch {b['global']} = {b['micro']} micro x "
+         f"{b['accumulation']} accumulation x {s['world_size']} ranks ({b['tokens_per_step']:,} tokens/step)"),
+        (f"parameters: {p['total']:,} trained vs {p['dense_equivalent']:,} dense "
+         f"(TT cores {p['tensorized_active']:,} replace {p['tensorized_dense']:,}; dense leftovers "
+         f"{p['leftover']:,}; gates {p['gates']:,})"),
         f"compression: {c['ratio_model']:.2f}x whole model, {c['ratio_tensorized']:.2f}x tensorized layers",
-        f"FLOPs/token: forward {f['forward']:,} (dense {f['forward_dense']:,}), "
-        f"train ~{f['train']:,} (dense ~{f['train_dense']:,})",
+        (f"FLOPs/token: forward {f['forward']:,} (dense {f['forward_dense']:,}), "
+         f"train ~{f['train']:,} (dense ~{f['train_dense']:,})"),
     ]
     for kind in KINDS:
         if kind in s["tt_params_by_kind"]:

@@ -169,7 +169,12 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     stop = StopRequest()
     status, step = EXIT_OK, start
     try:
-        metrics.log(_periodic_metrics(session, data), step)
+        initial = _periodic_metrics(session, data)
+        if start == 0:  # the starting point of the validation curve
+            initial["val_loss"], initial["val_accuracy"] = session.evaluate(data.validation_batches())
+            if info.rank == 0:
+                log.info("step 0/%d %s", cfg.train.steps, _format(initial))
+        metrics.log(initial, step)
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()

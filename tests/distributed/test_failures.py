@@ -13,11 +13,13 @@ import re
 import signal
 
 import pytest
+import test_launchers as tl
 import torch
+from test_launchers import checkpoint_tags, free_port, job_env, rank_processes, run_overrides
 
 from comera_dist.engine.checkpoint import tag_for
 
-from test_launchers import checkpoint_tags, free_port, job_env, jobs, rank_processes, run_overrides  # noqa: F401
+jobs = tl.jobs  # the job-starting fixture (tears every process tree down)
 
 
 def _model_states(tag_dir) -> dict:

@@ -37,7 +37,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def comera(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMERA, *args], cwd=REPO, env=env or _env(), capture_output=True, text=True,
+    return subprocess.run([*COMERA, *args], check=False, cwd=REPO, env=env or _env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from comera_dist.bench.common import base_parser, write_result
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.tensor import contract
 
-PAPER_EMB = dict(row_modes=[16, 20, 10, 10], col_modes=[4, 4, 8, 6], max_rank=32)
+PAPER_EMB = {"row_modes": [16, 20, 10, 10], "col_modes": [4, 4, 8, 6], "max_rank": 32}
 
 
 def paired(fn_a: Callable[[], Any], fn_b: Callable[[], Any], reps: int, warmup: int = 2) -> dict[str, float]:

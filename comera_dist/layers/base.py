@@ -33,7 +33,10 @@ class TensorizedModule(nn.Module):
 
     def masked_gates(self) -> list[Tensor]:
         """``m(g_k) = g_k * [g_k > tau]`` for every interior bond (differentiable in ``g``)."""
-        return [g * (g > self.tau) for g in self.gates]
+        return self._mask(self.gates)
+
+    def _mask(self, gates: Any) -> list[Tensor]:
+        return [g * (g > self.tau) for g in gates]
 
     def ranks(self) -> list[int]:
         """Active rank ``#(g_k > tau)`` of every interior bond."""

@@ -22,6 +22,7 @@ from comera_dist.kernels import dispatch
 from comera_dist.layers.base import TensorizedModule
 from comera_dist.tensor import accounting, contract
 from comera_dist.tensor.factorize import check_modes, check_ranks, factorize, factorize_at_least, tt_ranks
+from comera_dist.tensor.smallops import on_one_thread
 from comera_dist.tensor.ttm import ttm_init, ttm_svd, ttm_to_dense
 
 
@@ -42,9 +43,8 @@ class TTEmbedding(TensorizedModule):
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if row_modes is None or col_modes is None:
-            if not isinstance(num_cores, int) or isinstance(num_cores, bool) or num_cores < 2:
-                raise ValueError(f"num_cores must be an int >= 2, got {num_cores!r}")
+        if not isinstance(num_cores, int) or isinstance(num_cores, bool) or num_cores < 2:
+            raise ValueError(f"num_cores must be an int >= 2, got {num_cores!r}")
         d = num_cores if row_modes is None else len(row_modes)
         self.row_modes = factorize_at_least(num_embeddings, d) if row_modes is None else \
             check_modes("row_modes", row_modes, num_embeddings, at_least=True)
@@ -113,7 +113,9 @@ class TTEmbedding(TensorizedModule):
         if not flat.is_cuda and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got min {int(flat.min())} "
                              f"max {int(flat.max())}")
-        A, B = contract.ttm_pair_contract(list(self.cores), self.masked_gates())  # (M1, N1, r), (r, M2, N2)
+        n = len(self.cores)
+        A, B = on_one_thread(lambda *p: contract.ttm_pair_contract(list(p[:n]), self._mask(p[n:])),
+                             *self.cores, *self.gates)  # (M1, N1, r), (r, M2, N2)
         rows = dispatch.ttm_lookup(flat, A, B)  # (T, N)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(-1).to(rows.dtype)  # zero rows, zero gradient

@@ -18,6 +18,7 @@ from comera_dist.layers.base import TensorizedModule
 from comera_dist.tensor import accounting, contract
 from comera_dist.tensor.cost import ORDERS, choose_order
 from comera_dist.tensor.factorize import check_modes, check_ranks, factorize, tt_ranks
+from comera_dist.tensor.smallops import on_one_thread
 from comera_dist.tensor.tt import tt_init, tt_svd, tt_to_dense
 
 
@@ -39,9 +40,8 @@ class TTLinear(TensorizedModule):
         super().__init__()
         _check_pos("in_features", in_features)
         _check_pos("out_features", out_features)
-        if in_modes is None or out_modes is None:
-            if not isinstance(num_cores, int) or isinstance(num_cores, bool) or num_cores < 2:
-                raise ValueError(f"num_cores must be an int >= 2, got {num_cores!r}")
+        if not isinstance(num_cores, int) or isinstance(num_cores, bool) or num_cores < 2:
+            raise ValueError(f"num_cores must be an int >= 2, got {num_cores!r}")
         d_in = (num_cores + 1) // 2 if in_modes is None else len(in_modes)
         self.in_modes = factorize(in_features, d_in) if in_modes is None else \
             check_modes("in_modes", in_modes, in_features)
@@ -116,19 +116,26 @@ class TTLinear(TensorizedModule):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
         order = self.chosen_order(x2d.shape[0])
-        cores, masks, d = list(self.cores), self.masked_gates(), self.d
+        n = len(self.cores)
         if order == "lr":
-            L = contract.contract_left(cores[:d], masks[:d])  # (N_in, r_d), middle mask folded in
-            R = contract.contract_right(cores[d:], masks[d:])  # (r_d, N_out)
+            L, R = on_one_thread(self._halves, *self.cores, *self.gates)  # (N_in, r_d), (r_d, N_out)
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":
-                y = contract.tt_linear_sequential(x2d, cores, masks, d)  # (T, N_out)
+                y = contract.tt_linear_sequential(x2d, list(self.cores), self.masked_gates(), self.d)  # (T, N_out)
             else:
-                y = x2d @ tt_to_dense(cores, masks, d)  # (T, N_out)
+                W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n:]), self.d),),
+                                   *self.cores, *self.gates)
+                y = x2d @ W  # (T, N_out)
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+    def _halves(self, *params: Tensor) -> tuple[Tensor, Tensor]:
+        """``L`` (middle mask folded in) and ``R`` from cores and gates (the batch-independent part)."""
+        n, d = len(self.cores), self.d
+        cores, masks = list(params[:n]), self._mask(params[n:])
+        return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
 
     def chosen_order(self, tokens: int) -> str:
         """The contraction order ``forward`` uses for ``tokens`` tokens."""

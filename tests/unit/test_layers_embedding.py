@@ -117,14 +117,14 @@ def test_default_init_std_is_one_over_sqrt_dim():
 
 def test_bad_input_names_the_parameter():
     cases = [
-        (dict(row_modes=[10, 10], col_modes=[4, 3]), r"row_modes=\[10, 10\] has product 100 < 101"),
-        (dict(row_modes=[11, 10], col_modes=[4, 4]), r"col_modes=\[4, 4\] has product 16, which differs from the dimension 12"),
-        (dict(row_modes=[11, 10], col_modes=[2, 2, 3]), r"must have the same number of cores"),
-        (dict(num_cores=2, ranks=[1, 0, 1]), r"ranks\[1\] must be an int >= 1 \(rank\), got 0"),
-        (dict(num_cores=2, max_rank=0), r"max_rank must be an int >= 1, got 0"),
-        (dict(tau=0), r"tau must be a number > 0 \(the gate threshold\), got 0"),
-        (dict(padding_idx=101), r"padding_idx must be within \[-101, 101\), got 101"),
-        (dict(num_cores=1), r"num_cores must be an int >= 2, got 1"),
+        ({"row_modes": [10, 10], "col_modes": [4, 3]}, r"row_modes=\[10, 10\] has product 100 < 101"),
+        ({"row_modes": [11, 10], "col_modes": [4, 4]}, r"col_modes=\[4, 4\] has product 16, which differs from the dimension 12"),
+        ({"row_modes": [11, 10], "col_modes": [2, 2, 3]}, r"must have the same number of cores"),
+        ({"num_cores": 2, "ranks": [1, 0, 1]}, r"ranks\[1\] must be an int >= 1 \(rank\), got 0"),
+        ({"num_cores": 2, "max_rank": 0}, r"max_rank must be an int >= 1, got 0"),
+        ({"tau": 0}, r"tau must be a number > 0 \(the gate threshold\), got 0"),
+        ({"padding_idx": 101}, r"padding_idx must be within \[-101, 101\), got 101"),
+        ({"num_cores": 1}, r"num_cores must be an int >= 2, got 1"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -116,15 +116,15 @@ def test_gates_mask_without_overwriting():
 
 def test_bad_input_names_the_parameter():
     cases = [
-        (dict(in_modes=[5, 5], out_modes=[6, 5]), r"in_modes=\[5, 5\] has product 25, which differs from the dimension 24"),
-        (dict(in_modes=[4, 6], out_modes=[6, 6]), r"out_modes=\[6, 6\] has product 36, which differs from the dimension 30"),
-        (dict(ranks=[1, 0, 4, 1, 1]), r"ranks\[1\] must be an int >= 1 \(rank\), got 0"),
-        (dict(max_rank=0), r"max_rank must be an int >= 1, got 0"),
-        (dict(tau=0.0), r"tau must be a number > 0 \(the gate threshold\), got 0.0"),
-        (dict(tau=-1e-3), r"tau must be a number > 0 \(the gate threshold\), got -0.001"),
-        (dict(num_cores=1), r"num_cores must be an int >= 2, got 1"),
-        (dict(order="fastest"), r"order must be 'auto' or one of .*, got 'fastest'"),
-        (dict(init_std=0.0), r"init std must be > 0, got 0.0"),
+        ({"in_modes": [5, 5], "out_modes": [6, 5]}, r"in_modes=\[5, 5\] has product 25, which differs from the dimension 24"),
+        ({"in_modes": [4, 6], "out_modes": [6, 6]}, r"out_modes=\[6, 6\] has product 36, which differs from the dimension 30"),
+        ({"ranks": [1, 0, 4, 1, 1]}, r"ranks\[1\] must be an int >= 1 \(rank\), got 0"),
+        ({"max_rank": 0}, r"max_rank must be an int >= 1, got 0"),
+        ({"tau": 0.0}, r"tau must be a number > 0 \(the gate threshold\), got 0.0"),
+        ({"tau": -1e-3}, r"tau must be a number > 0 \(the gate threshold\), got -0.001"),
+        ({"num_cores": 1}, r"num_cores must be an int >= 2, got 1"),
+        ({"order": "fastest"}, r"order must be 'auto' or one of .*, got 'fastest'"),
+        ({"init_std": 0.0}, r"init std must be > 0, got 0.0"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -213,7 +213,7 @@ def test_ttm_paths_gradcheck(name, num_cores):
 
 
 def test_ttm_pair_split_shapes():
-    ids, cores, gates = _ttm_case([2, 3, 2, 5], [2, 1, 3, 2], 3, 4, seed=0)
+    _ids, cores, gates = _ttm_case([2, 3, 2, 5], [2, 1, 3, 2], 3, 4, seed=0)
     A, B = contract.ttm_pair_contract(cores, _mask(gates))
     assert contract.ttm_split(4) == 2 and contract.ttm_split(5) == 3
     assert A.shape == (6, 2, cores[2].shape[0]) and B.shape == (cores[2].shape[0], 10, 6)

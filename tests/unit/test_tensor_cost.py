@@ -38,7 +38,7 @@ def test_flops_and_per_token_saved_bytes_match_measurement(order):
     res = {}
     for T in (4, 20):
         x = torch.randn(T, 96, requires_grad=True)
-        flops, seen, _ = _measure(lambda: layer(x))
+        flops, seen, _ = _measure(lambda x=x: layer(x))
         skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
         res[T] = (flops, sum(b for k, b in seen.items() if k not in skip))
         assert flops == order_costs(T, layer.in_modes, layer.out_modes, ranks)[order].flops

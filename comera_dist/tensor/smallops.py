@@ -1,0 +1,63 @@
+"""Run the batch-independent core contractions (forward and backward) on one CPU thread.
+
+Contracting the cores into ``L``/``R`` or the TTM halves is a chain of tiny GEMMs and
+multiplies (kilo- to mega-FLOPs). With several intra-op threads every such op pays an OpenMP
+fork/join; on a shared CPU the barrier waits for a descheduled sibling thread, and a 0.5 MFLOP
+GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/README-layers.md).
+``on_one_thread(fn, *tensors)`` evaluates ``fn`` with one thread and replays its backward the
+same way through a private autograd graph. CUDA tensors (and single-threaded processes) call
+``fn`` directly. Double backward through it is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class _OneThread:
+    """Context manager: ``torch.set_num_threads(1)`` inside, the previous count restored after."""
+
+    def __enter__(self) -> None:
+        self.n = torch.get_num_threads()
+        if self.n != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.n != 1:
+            torch.set_num_threads(self.n)
+
+
+class _OneThreadFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        with torch.enable_grad(), _OneThread():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outs = fn(*leaves)
+        ctx.leaves, ctx.outs = leaves, outs  # the private graph lives as long as this node
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        pairs = [(o, g) for o, g in zip(ctx.outs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in ctx.leaves if t.requires_grad]
+        result: list[Tensor | None] = [None] * len(ctx.leaves)
+        if pairs and wanted:
+            with _OneThread():  # retain: the outer graph may be replayed (retain_graph=True)
+                got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                          allow_unused=True, retain_graph=True)
+            it = iter(got)
+            result = [next(it) if t.requires_grad else None for t in ctx.leaves]
+        return (None, *result)
+
+
+def on_one_thread(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
+    """``fn(*inputs)`` (a tuple of tensors) computed, and differentiated, on one CPU thread."""
+    if torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
+        return fn(*inputs)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+        with _OneThread():
+            return fn(*inputs)
+    return _OneThreadFn.apply(fn, *inputs)

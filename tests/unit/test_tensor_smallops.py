@@ -1,0 +1,61 @@
+"""``on_one_thread``: same values and gradients as a direct call, on one thread, count restored."""
+
+import pytest
+import torch
+
+from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.tensor import contract
+from comera_dist.tensor.smallops import on_one_thread
+
+
+@pytest.fixture
+def two_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs with OMP_NUM_THREADS=1, where the wrapper is a no-op
+    yield
+    torch.set_num_threads(n)
+
+
+def test_values_gradients_and_thread_count(two_threads):
+    gen = torch.Generator().manual_seed(0)
+    cores = [torch.randn(1, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True),
+             torch.randn(4, 2, 1, generator=gen, dtype=torch.float64, requires_grad=True)]
+    seen = []
+
+    def fn(a, b):
+        seen.append(torch.get_num_threads())
+        return contract.contract_left([a], None), b * 2
+
+    L, B = on_one_thread(fn, *cores)
+    assert seen == [1] and torch.get_num_threads() == 2
+    torch.testing.assert_close(L, cores[0][0])
+    w = torch.randn(3, 4, dtype=torch.float64)
+    ga, gb = torch.autograd.grad((L * w).sum() + B.sum(), cores, retain_graph=True)
+    torch.testing.assert_close(ga, w[None])
+    torch.testing.assert_close(gb, torch.full_like(cores[1], 2.0))
+    # Only one output used: the other's gradient is zero; a second backward through the graph works.
+    ga2, gb2 = torch.autograd.grad(L.sum(), cores, allow_unused=True)
+    torch.testing.assert_close(ga2, torch.ones_like(cores[0]))
+    assert gb2 is None or torch.all(gb2 == 0)
+    assert torch.autograd.gradcheck(lambda a, b: on_one_thread(fn, a, b), tuple(cores))
+
+
+def test_layers_match_with_several_threads(two_threads):
+    torch.manual_seed(0)
+    for layer, x in ((TTLinear(24, 30, num_cores=4, max_rank=4, order="lr", dtype=torch.float64),
+                      torch.randn(5, 24, dtype=torch.float64)),
+                     (TTEmbedding(60, 8, num_cores=3, max_rank=4, dtype=torch.float64), torch.tensor([1, 59, 1, 7]))):
+        with torch.no_grad():
+            layer.gates[0][0] = 0.0
+        params = list(layer.parameters())
+        out = layer(x)
+        got = torch.autograd.grad(out.pow(2).sum(), params)
+        torch.set_num_threads(1)  # the direct path
+        want_out = layer(x)
+        want = torch.autograd.grad(want_out.pow(2).sum(), params)
+        torch.set_num_threads(2)
+        torch.testing.assert_close(out, want_out)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), want_out)

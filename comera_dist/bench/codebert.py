@@ -144,8 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke)
-    steps = args.steps or int(train.get("steps", 200))
-    batch_size = args.batch_size or 16
+    steps = int(train.get("steps", 200)) if args.steps is None else args.steps
+    batch_size = 16 if args.batch_size is None else args.batch_size
     eval_every = args.eval_every or max(1, steps // 8)
     n_eval = args.eval_batches or int(train.get("eval_batches", 8))
     if min(steps, batch_size, eval_every, n_eval) < 1:

@@ -21,8 +21,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
     args = p.parse_args(argv)
-    steps = args.steps or 1
-    batch = args.batch_size or 32
+    steps = 1 if args.steps is None else args.steps
+    batch = 32 if args.batch_size is None else args.batch_size
     if steps < 1 or batch < 1:
         p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
     load_start = os.getloadavg()

@@ -154,6 +154,12 @@ def _reset_peak_rss() -> None:
 def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smoke: bool,
               threads: int | None = None, profile: bool = False, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Start ``memory-probe`` for one contender in a fresh interpreter and return its JSON result."""
+    from comera_dist.bench.six_encoder import CONTENDERS
+
+    if contender not in CONTENDERS:
+        raise ValueError(f"run_probe: contender must be one of {list(CONTENDERS)}, got {contender!r}")
+    if batch_size < 1 or steps < 1:
+        raise ValueError(f"run_probe: batch_size and steps must be >= 1, got {batch_size} and {steps}")
     cmd = [sys.executable, "-m", "comera_dist.bench", "memory-probe", "--workload", workload,
            "--contender", contender, "--batch-size", str(batch_size), "--steps", str(steps)]
     if smoke:

@@ -59,8 +59,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keep", type=float, default=0.5, help="fraction of each bond's ranks that survives")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
-    steps = args.steps or 3
-    batch_size = args.batch_size or 32
+    steps = 3 if args.steps is None else args.steps
+    batch_size = 32 if args.batch_size is None else args.batch_size
     if steps < 1 or batch_size < 1:
         p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch_size}")
     if not 0 < args.keep <= 1:

@@ -169,8 +169,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args(argv)
-    steps = args.steps or 2
-    sizes = [args.batch_size] if args.batch_size else args.batch_sizes
+    steps = 2 if args.steps is None else args.steps
+    sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):
         p.error(f"--steps and batch sizes must be >= 1, got steps={steps}, sizes={sizes}")
     if args.threads:

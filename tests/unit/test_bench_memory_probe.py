@@ -1,0 +1,62 @@
+"""memory_probe: tensor memory by role against hand-counted bytes; the RSS worker in its own process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from comera_dist.bench.memory_probe import SavedActivations, measure_step, run_probe, unique_bytes
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def test_unique_bytes_counts_shared_storage_once():
+    a = torch.zeros(10, 10)  # 400 bytes
+    assert unique_bytes([a, a[2:], a.view(-1), torch.zeros(3)]) == 400 + 12
+
+
+@pytest.mark.parametrize("batch", [4, 12])
+def test_measure_step_matches_hand_count(batch: int):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 16)  # (B, 16)
+    mem = measure_step(model, opt, lambda: model(x).square().mean())
+    n_params = sum(p.numel() for p in model.parameters())  # 16*32+32+32*8+8
+    assert mem.params_bytes == 4 * n_params
+    assert mem.grads_bytes == 4 * n_params
+    # AdamW: exp_avg + exp_avg_sq per parameter, plus a 0-d fp32 `step` per parameter tensor
+    assert mem.optimizer_bytes == 2 * 4 * n_params + 4 * len(list(model.parameters()))
+    # saved for backward: x (B,16), the ReLU output (B,32) (also Linear 2's input: one storage),
+    # Linear 2's output (B,8) for square(); weights are parameters and are not counted
+    assert mem.activations_bytes == 4 * batch * (16 + 32 + 8)
+    assert all(p.grad is None for p in model.parameters())  # the step cleans up after itself
+
+
+def test_saved_activations_ignore_parameters():
+    lin = nn.Linear(8, 8, bias=False)
+    saved = SavedActivations(lin)
+    x = torch.randn(2, 8, requires_grad=True)
+    with saved.record():
+        (x @ lin.weight).sum()  # saves x and the weight
+    assert saved.bytes == 2 * 8 * 4
+
+
+@pytest.mark.slow
+def test_probe_worker_runs_in_its_own_process():
+    r = run_probe(workload="six-encoder", contender="comera", batch_size=2, steps=1, smoke=True)
+    assert r["contender"] == "comera" and r["batch_size"] == 2
+    assert r["step_s"] > 0 and r["rss_peak_above_baseline_bytes"] > 0
+    assert r["tensor_memory"]["total_bytes"] == sum(r["tensor_memory"][k] for k in
+                                                    ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                                     "activations_bytes"))
+
+
+def test_probe_worker_rejects_bad_contender():
+    with pytest.raises(ValueError, match="contender must be one of .*'sgd'"):
+        run_probe(workload="six-encoder", contender="sgd", batch_size=1, steps=1, smoke=True)
+    with pytest.raises(ValueError, match="batch_size and steps must be >= 1, got 0"):
+        run_probe(workload="six-encoder", contender="dense", batch_size=0, steps=1, smoke=True)

@@ -24,11 +24,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -168,7 +168,7 @@ def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smo
         cmd += ["--threads", str(threads)]
     if profile:
         cmd.append("--profile")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"memory-probe for contender {contender!r} exited {proc.returncode}:\n"
                            f"{proc.stderr[-3000:]}")

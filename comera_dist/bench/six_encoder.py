@@ -39,7 +39,12 @@ from comera_dist.compression.groups import param_groups
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
-from comera_dist.models.presets import PAPER_EMBEDDING_MAX_RANK, PAPER_MAX_RANK, PAPER_MODES, six_encoder_paper
+from comera_dist.models.presets import (
+    PAPER_EMBEDDING_MAX_RANK,
+    PAPER_MAX_RANK,
+    PAPER_MODES,
+    six_encoder_paper,
+)
 
 CONTENDERS = ("dense", "galore", "comera")
 SEQ_LEN = 128

@@ -8,7 +8,7 @@ set -euo pipefail
 NNODES=${1:-1}
 D=${SLURM_CI_DIR:-/tmp/comera-slurm-ci}
 PORT=${SLURM_CI_PORT:-16817}
-CPUS=$(nproc)
+CPUS=$(getconf _NPROCESSORS_ONLN)   # not nproc: it honours OMP_NUM_THREADS
 for bin in slurmctld slurmd munged sinfo; do
   command -v "$bin" >/dev/null || { echo "up.sh: $bin not found: install slurmctld slurmd slurm-client munge" >&2; exit 1; }
 done

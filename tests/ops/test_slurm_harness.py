@@ -19,11 +19,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]
 PROGRAM = "tests/ops/programs/count_steps.py"
 
 
-def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.1):
+def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.1, cpu_script: bool = False):
+    """sbatch the GPU script with CPU overrides, or the CPU variant with only its log and program set."""
     log = tmp_path / "job.out"
-    job = cluster.sbatch(f"--nodes={nodes}", *cpu_overrides(log, COMERA_TRAIN_SCRIPT=PROGRAM,
-                                                            COMERA_RDZV_PORT=str(free_port_block(1))),
-                         REPO / "slurm/pretrain.sh", "README.md",
+    env = {"COMERA_TRAIN_SCRIPT": PROGRAM, "COMERA_RDZV_PORT": str(free_port_block(1))}
+    if cpu_script:
+        options = [f"--output={log}", "--export=" + ",".join(["ALL", f"COMERA_HOME={REPO}"] +
+                                                             [f"{k}={v}" for k, v in env.items()])]
+    else:
+        options = cpu_overrides(log, **env)
+    script = REPO / ("slurm/pretrain-cpu.sh" if cpu_script else "slurm/pretrain.sh")
+    job = cluster.sbatch(f"--nodes={nodes}", *options, script, "README.md",
                          "--set", f"steps={steps}", "--set", f"out={tmp_path / 'run'}", "--set", f"step_s={step_s}")
     return job, log
 
@@ -68,7 +74,7 @@ def test_one_node_job_completes_with_log_and_checkpoint(slurm_1node, tmp_path):
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
-    job, log = _submit(slurm_1node, tmp_path, steps=150, step_s=0.05)
+    job, log = _submit(slurm_1node, tmp_path, steps=150, step_s=0.05, cpu_script=True)  # exec keeps the trap
     slurm_1node.wait_for_text(log, r"^step 10$", timeout=120, job_id=job)
     slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
     info = slurm_1node.wait(job, timeout=240)
@@ -85,7 +91,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
 
 
 def test_two_emulated_nodes_rendezvous(slurm_2nodes, tmp_path):
-    job, log = _submit(slurm_2nodes, tmp_path, steps=3, nodes=2)
+    job, log = _submit(slurm_2nodes, tmp_path, steps=3, nodes=2, cpu_script=True)
     info = slurm_2nodes.wait(job, timeout=120)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text

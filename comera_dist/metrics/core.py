@@ -131,7 +131,7 @@ class Metrics:
                                 world_size=self.world_size, total_steps=self.total_steps)
             log.info("metrics: report written to %s", path)
 
-    def __enter__(self) -> Metrics:
+    def __enter__(self) -> Metrics:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from comera_dist.metrics.history import History  # noqa: E402
+from comera_dist.metrics.history import History
 
 
 def write_report(history: History, output_dir: str | Path, *, run_name: str, world_size: int,

@@ -15,7 +15,7 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "monitoring/ci"))
 
-from slurmharness import SlurmCluster, free_port_block  # noqa: E402
+from slurmharness import SlurmCluster, free_port_block
 
 NEEDS_SLURM = [b for b in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(b) is None]
 NEEDS_PROM = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]

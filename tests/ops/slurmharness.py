@@ -26,19 +26,19 @@ class SlurmCluster:
         if self.nnodes != nnodes:
             self.down()
             r = subprocess.run([REPO / "slurm/ci/up.sh", str(nnodes)], env=self.env, capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=120, check=False)
             assert r.returncode == 0, f"slurm/ci/up.sh {nnodes} failed:\n{r.stdout}{r.stderr}"
             self.nnodes = nnodes
         return self
 
     def down(self) -> None:
         if self.nnodes:
-            subprocess.run([REPO / "slurm/ci/down.sh"], env=self.env, capture_output=True, timeout=120)
+            subprocess.run([REPO / "slurm/ci/down.sh"], env=self.env, capture_output=True, timeout=120, check=False)
             self.nnodes = 0
 
     def run(self, *cmd: str | Path, check: bool = True) -> str:
         r = subprocess.run([str(c) for c in cmd], env=self.env, cwd=REPO, capture_output=True, text=True,
-                           timeout=60)
+                           timeout=60, check=False)
         if check and r.returncode != 0:
             raise AssertionError(f"{' '.join(map(str, cmd))} -> {r.returncode}:\n{r.stdout}{r.stderr}")
         return r.stdout
@@ -81,7 +81,7 @@ class SlurmCluster:
         """Wait until ``path`` (a job log) matches ``pattern``; fail early if the job ended."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if path.exists() and re.search(pattern, path.read_text(errors="replace"), re.M):
+            if path.exists() and re.search(pattern, path.read_text(errors="replace"), re.MULTILINE):
                 return
             if self.job(job_id)["JobState"] not in {"PENDING", "CONFIGURING", "RUNNING"}:
                 break

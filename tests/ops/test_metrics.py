@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_exporter_serves_standard_keys_in_base_units(metrics, tmp_path):
     assert not any("custom" in name for name, _ in got)  # unknown keys: report only
     # never-logged gauges are absent rather than 0 (no fake 1970 checkpoint)
     assert ("comera_checkpoint_last_success_timestamp_seconds", ()) not in got
-    info = [labels for name, labels in got if name == "comera_build_info"][0]
+    info = next(labels for name, labels in got if name == "comera_build_info")
     assert dict(info)["torch"] == torch.__version__ and dict(info)["deepspeed"]
 
 
@@ -167,6 +168,6 @@ def test_report_markdown_and_pngs(tmp_path):
 
 
 def test_standard_keys_documented():
-    text = open(__file__.replace("tests/ops/test_metrics.py", "monitoring/README.md")).read()
+    text = (Path(__file__).resolve().parents[2] / "monitoring/README.md").read_text()
     for key in STANDARD_KEYS:
         assert f"`{key}`" in text, key

@@ -66,7 +66,7 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
                  for r in series("comera_tt_rank")}
         report = (tmp_path / "run/report.md").read_text()
         final = {layer: json.loads(after) for layer, after in re.findall(r"^\| (\S+) \| \[.*?\] -> (\[.*?\]) \|$",
-                                                                           report, re.M)}
+                                                                           report, re.MULTILINE)}
         assert final and ranks == {(layer, b): r for layer, rs in final.items() for b, r in enumerate(rs)}
         # every dashboard expression had data while the job ran
         for expr in expressions(json.loads(DASHBOARD.read_text())):

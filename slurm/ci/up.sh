@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Bring up a throwaway Slurm cluster on loopback (no systemd): munged, slurmctld, one slurmd per node.
 # usage: slurm/ci/up.sh [NNODES]    NNODES=1: one node "localhost"; >1: emulated nodes n1..nN on 127.0.0.1
-# env:   SLURM_CI_DIR (default /tmp/comera-slurm-ci), SLURM_CI_PORT (slurmctld port, default 16817)
+# env:   SLURM_CI_DIR (default /tmp/comera-slurm-ci), SLURM_CI_PORT (slurmctld port, default 16817),
+#        SLURM_CI_FAKE_GPUS (default 0: N fake "gpu" GRES per node backed by /dev/tty0..N-1, so that
+#        --gres=gpu:N allocations and SLURM_GPUS_ON_NODE work; no device isolation)
 # after: export SLURM_CONF=$SLURM_CI_DIR/etc/slurm.conf ; tear down with slurm/ci/down.sh
 # Needs root and the Debian packages slurmctld slurmd slurm-client munge (launch/setup.sh --dev).
 set -euo pipefail
@@ -62,6 +64,13 @@ else
   done
 fi
 echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$D/etc/slurm.conf"
+GPUS=${SLURM_CI_FAKE_GPUS:-0}
+if [ "$GPUS" -gt 0 ]; then
+  sed -i "s/^\(NodeName=.*\) State=UNKNOWN$/\1 Gres=gpu:$GPUS State=UNKNOWN/" "$D/etc/slurm.conf"
+  sed -i "1i GresTypes=gpu" "$D/etc/slurm.conf"
+  echo "Name=gpu File=/dev/tty[0-$((GPUS - 1))]" > "$D/etc/gres.conf"
+  echo "PartitionName=gpu Nodes=ALL Default=NO MaxTime=INFINITE State=UP" >> "$D/etc/slurm.conf"
+fi
 export SLURM_CONF="$D/etc/slurm.conf"
 
 # munged as user munge on a private socket (setpriv execs, so $! is munged itself)

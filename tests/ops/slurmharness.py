@@ -13,19 +13,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class SlurmCluster:
-    """One cluster at a time (fixed ports and state dir); ``ensure(n)`` swaps the node count."""
+    """One cluster at a time (fixed ports and state dir); ``ensure(n, gpus)`` swaps the node layout."""
 
     def __init__(self, workdir: Path, port: int) -> None:
         self.dir = workdir
         self.port = port
         self.nnodes = 0
+        self.gpus = 0
         self.env = os.environ | {"SLURM_CI_DIR": str(workdir), "SLURM_CI_PORT": str(port),
                                  "SLURM_CONF": str(workdir / "etc/slurm.conf")}
 
-    def ensure(self, nnodes: int) -> SlurmCluster:
-        if self.nnodes != nnodes:
+    def ensure(self, nnodes: int, gpus: int = 0) -> SlurmCluster:
+        """A cluster of ``nnodes`` nodes with ``gpus`` fake GPU GRES each (restarted if different)."""
+        if (self.nnodes, self.gpus) != (nnodes, gpus):
             self.down()
-            r = subprocess.run([REPO / "slurm/ci/up.sh", str(nnodes)], env=self.env, capture_output=True,
+            self.gpus = gpus
+            r = subprocess.run([REPO / "slurm/ci/up.sh", str(nnodes)], env=self.env | {"SLURM_CI_FAKE_GPUS": str(gpus)},
+                               capture_output=True,
                                text=True, timeout=120, check=False)
             assert r.returncode == 0, f"slurm/ci/up.sh {nnodes} failed:\n{r.stdout}{r.stderr}"
             self.nnodes = nnodes

@@ -101,3 +101,15 @@ def test_two_emulated_nodes_rendezvous(slurm_2nodes, tmp_path):
     assert sorted(r for r, _ in ranks) == ["0", "1", "2", "3"], text
     assert sorted(n for _, n in ranks) == ["n1", "n1", "n2", "n2"], text  # one torchrun per node, 2 procs each
     assert "saved checkpoint at step 3 (done)" in text
+
+
+def test_gpu_defaults_take_gpu_count_from_slurm(slurm_2nodes, tmp_path):
+    """The GPU script's own defaults (partition gpu, GRES) with only sizes overridden: P = GPUs per node."""
+    job = slurm_2nodes.sbatch("--nodes=2", "--gres=gpu:2", "--mem=1G", "--cpus-per-task=1", f"--output={tmp_path}/%j.out",
+                              f"--export=ALL,COMERA_HOME={REPO}", REPO / "slurm/pretrain.sh", "--dry-run",
+                              "configs/tiny-cpu.yaml")
+    info = slurm_2nodes.wait(job, timeout=60)
+    text = (tmp_path / f"{job}.out").read_text()
+    assert (info["JobState"], info["Partition"]) == ("COMPLETED", "gpu"), text
+    assert "2 process(es)/node, device gpu" in text
+    assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in text

@@ -8,11 +8,19 @@ import pytest
 import torch
 from torch import Tensor
 
+from comera_dist.kernels.launch import INTERPRET
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (native Triton)")
+# Where the kernel-vs-reference tests put their tensors: CPU under the interpreter (CI), else the GPU
+# (``TRITON_INTERPRET=0 pytest tests/kernels`` on a CUDA machine runs the same tests natively).
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+needs_kernels = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                   reason="Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1")
 
 
 def tt_operands(T: int, n_in: int, n_out: int, rank: int, *, bias: bool, dtype=torch.float32,
-                device="cpu", seed: int = 0) -> list[Tensor | None]:
+                device=DEVICE, seed: int = 0) -> list[Tensor | None]:
     """x (T, N_in), L (N_in, r), R (r, N_out), bias (N_out,) scaled so that y is O(1)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, n_in, generator=g)  # (T, N_in)
@@ -22,7 +30,7 @@ def tt_operands(T: int, n_in: int, n_out: int, rank: int, *, bias: bool, dtype=t
     return [None if t is None else t.to(device=device, dtype=dtype) for t in (x, L, R, b)]
 
 
-def ttm_operands(M1: int, N1: int, rank: int, M2: int, N2: int, *, dtype=torch.float32, device="cpu",
+def ttm_operands(M1: int, N1: int, rank: int, M2: int, N2: int, *, dtype=torch.float32, device=DEVICE,
                  seed: int = 0) -> tuple[Tensor, Tensor]:
     """A (M1, N1, r), B (r, M2, N2) scaled so that the rows are O(1)."""
     g = torch.Generator().manual_seed(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_testlib import needs_interpreter
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from comera_dist.kernels import dispatch, tt_linear_kernel, ttm_lookup_kernel
@@ -57,6 +58,7 @@ def test_auto_on_cuda_picks_triton_for_supported_dtypes():
         assert dispatch.resolve_backend(torch.empty(2, device="cuda", dtype=torch.float64)) == "torch"
 
 
+@needs_interpreter
 def test_forcing_triton_runs_the_kernels_on_cpu(kernel_calls):
     x, L, R, b = _tt_args()
     ids, A, B = _ttm_args()
@@ -87,6 +89,7 @@ def test_override_restored_after_an_exception():
     assert dispatch.resolve_backend(torch.zeros(1)) == "torch"
 
 
+@needs_interpreter
 def test_env_var_selects_backend(monkeypatch, kernel_calls):
     x, L, R, b = _tt_args()
     monkeypatch.setenv("COMERA_KERNELS", "triton")
@@ -108,6 +111,7 @@ def test_bad_names_raise(monkeypatch):
         dispatch.tt_linear(*_tt_args())
 
 
+@needs_interpreter
 def test_backward_through_forced_triton_matches_torch():
     x, L, R, b = (t.requires_grad_(True) for t in _tt_args())
     with dispatch.use_backend("triton"):
@@ -137,7 +141,7 @@ def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it():
     assert "TRITON_INTERPRET=1" in proc.stderr and "COMERA_KERNELS=torch" in proc.stderr
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_leading_dims_on_both_backends(backend):
     x, L, R, b = _tt_args()
     x3 = torch.cat([x, x]).reshape(2, 5, 16)  # (B, S, N_in)

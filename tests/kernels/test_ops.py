@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_testlib import DEVICE, needs_interpreter, needs_kernels
 
 from comera_dist.kernels import dispatch
 from comera_dist.kernels import ops as _ops  # noqa: F401  (importing registers the comera:: ops)
 from comera_dist.tensor.contract import tt_linear_lr, ttm_lookup_pairs
 
 
+@needs_kernels
 @pytest.mark.parametrize("bias", [True, False])
 def test_opcheck_tt_linear(bias):
-    x = torch.randn(20, 18, requires_grad=True)
-    L = torch.randn(18, 5, requires_grad=True)
-    R = torch.randn(5, 17, requires_grad=True)
-    b = torch.randn(17, requires_grad=True) if bias else None
+    x = torch.randn(20, 18, device=DEVICE, requires_grad=True)
+    L = torch.randn(18, 5, device=DEVICE, requires_grad=True)
+    R = torch.randn(5, 17, device=DEVICE, requires_grad=True)
+    b = torch.randn(17, device=DEVICE, requires_grad=True) if bias else None
     torch.library.opcheck(torch.ops.comera.tt_linear.default, (x, L, R, b))
 
 
+@needs_kernels
 def test_opcheck_ttm_lookup():
-    ids = torch.tensor([3, 1, 3, 0, 5, 3])
-    A = torch.randn(3, 4, 5, requires_grad=True)
-    B = torch.randn(5, 2, 6, requires_grad=True)
+    ids = torch.tensor([3, 1, 3, 0, 5, 3], device=DEVICE)
+    A = torch.randn(3, 4, 5, device=DEVICE, requires_grad=True)
+    B = torch.randn(5, 2, 6, device=DEVICE, requires_grad=True)
     torch.library.opcheck(torch.ops.comera.ttm_lookup.default, (ids, A, B))
 
 
@@ -36,6 +39,7 @@ def test_fake_tensors_give_shapes_without_running_kernels():
     assert y.shape == (7, 9) and rows.shape == (11, 6)
 
 
+@needs_kernels
 def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
     """fullgraph=True fails on any graph break; AOT autograd must trace both directions as our ops."""
     from functorch.compile import make_boxed_func
@@ -56,8 +60,8 @@ def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
         e = dispatch.ttm_lookup(ids, A, B)  # (T, N1*N2)
         return (y * e).sum()
 
-    args = [torch.randn(6, 16), torch.randn(16, 3), torch.randn(3, 8), torch.randn(8),
-            torch.tensor([0, 2, 2, 5, 1, 0]), torch.randn(3, 2, 4), torch.randn(4, 2, 4)]
+    args = [a.to(DEVICE) for a in (torch.randn(6, 16), torch.randn(16, 3), torch.randn(3, 8), torch.randn(8),
+                                   torch.tensor([0, 2, 2, 5, 1, 0]), torch.randn(3, 2, 4), torch.randn(4, 2, 4))]
     fast = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     ref = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     compiled = torch.compile(step, backend=backend, fullgraph=True)
@@ -76,6 +80,7 @@ def test_compile_traces_dispatch_fwd_and_bwd_without_graph_breaks():
             torch.testing.assert_close(f.grad, r.grad, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"arg {i}: {m}")
 
 
+@needs_interpreter
 def test_autocast_matches_the_reference_path():
     """Custom ops are invisible to autocast: the wrapper casts like the reference's matmul/addmm do."""
     g = torch.Generator().manual_seed(0)
@@ -97,11 +102,13 @@ def test_autocast_matches_the_reference_path():
                                    msg=lambda m, i=i: f"output {i}: {m}")
 
 
+@needs_kernels
 def test_stride_zero_upstream_gradient():
     """``.sum().backward()`` hands the op an expanded (stride 0) gradient; both ops must accept it."""
     g = torch.Generator().manual_seed(1)
     args = [torch.randn(20, 18, generator=g), torch.randn(18, 5, generator=g), torch.randn(5, 17, generator=g),
             torch.tensor([0, 4, 4, 7]), torch.randn(3, 4, 5, generator=g), torch.randn(5, 3, 6, generator=g)]
+    args = [a.to(DEVICE) for a in args]
     grads = {}
     for backend in ("torch", "triton"):
         leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]

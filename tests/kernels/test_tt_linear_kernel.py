@@ -10,10 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernels_testlib import compare_with_reference, needs_cuda, tt_operands
+from kernels_testlib import DEVICE, compare_with_reference, needs_cuda, needs_kernels, tt_operands
 
 from comera_dist.kernels import ops, tt_linear_kernel
 from comera_dist.tensor.contract import tt_linear_lr
+
+pytestmark = needs_kernels
 
 # (T, N_in, N_out, r, bias): sizes off the block grid, r = 1, r not a power of two (5, 17, 30),
 # several row/column/reduction tiles, T spanning several 64-row tiles.
@@ -78,7 +80,7 @@ def test_other_autotune_block_shapes_match_reference(monkeypatch, blocks):
 
 def test_only_requested_gradients_are_computed():
     x, L, R, _ = tt_operands(20, 18, 17, 5, bias=True)
-    dy = torch.randn(20, 17)
+    dy = torch.randn(20, 17).to(x)
     dx, dl, dr, db = tt_linear_kernel.tt_linear_bwd(dy, x, L, R, need_dx=False, need_dl=False, need_dr=True)
     assert dx is None and dl is None and db is None
     torch.testing.assert_close(dr, (x @ L).T @ dy, rtol=1e-4, atol=1e-4)
@@ -94,8 +96,8 @@ def test_leading_dims_and_strided_input():
     x3 = x.reshape(2, 12, 20)  # (B, S, N_in)
     torch.testing.assert_close(ops.tt_linear(x3, L, R, b), tt_linear_lr(x, L, R, b).reshape(2, 12, 18),
                                rtol=1e-4, atol=1e-4)
-    xt = torch.randn(20, 24).T  # (24, 20), column-major view
-    Lt = torch.randn(6, 20).T  # (20, 6), column-major view
+    xt = torch.randn(20, 24, device=DEVICE).T  # (24, 20), column-major view
+    Lt = torch.randn(6, 20, device=DEVICE).T  # (20, 6), column-major view
     assert not xt.is_contiguous() and not Lt.is_contiguous()
     torch.testing.assert_close(tt_linear_kernel.tt_linear_fwd(xt, Lt, R, b), tt_linear_lr(xt, Lt, R, b),
                                rtol=1e-4, atol=1e-4)
@@ -104,7 +106,7 @@ def test_leading_dims_and_strided_input():
 def test_zero_tokens():
     x, L, R, b = tt_operands(0, 16, 16, 4, bias=True)
     assert tt_linear_kernel.tt_linear_fwd(x, L, R, b).shape == (0, 16)
-    dx, dl, dr, db = tt_linear_kernel.tt_linear_bwd(torch.empty(0, 16), x, L, R, need_db=True)
+    dx, dl, dr, db = tt_linear_kernel.tt_linear_bwd(torch.empty(0, 16).to(x), x, L, R, need_db=True)
     assert dx.shape == (0, 16) and not dl.any() and not dr.any() and not db.any()
 
 
@@ -117,7 +119,7 @@ def test_zero_tokens():
 ])
 def test_bad_input_raises_naming_it(bad, match):
     x, L, R, b = tt_operands(8, 16, 16, 4, bias=True)
-    args = {"x": x, "L": L, "R": R, "bias": b} | bad
+    args = {"x": x, "L": L, "R": R, "bias": b} | {k: v.to(DEVICE) for k, v in bad.items()}
     with pytest.raises(ValueError, match=match):
         tt_linear_kernel.tt_linear_fwd(**args)
 

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testlib import compare_with_reference, needs_cuda, ttm_operands
+from kernels_testlib import DEVICE, compare_with_reference, needs_cuda, needs_kernels, ttm_operands
 
 from comera_dist.kernels import ops, ttm_lookup_kernel
 from comera_dist.tensor.contract import ttm_lookup_pairs
+
+pytestmark = needs_kernels
 
 
 def _ids(T: int, n_rows: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, n_rows, (T,), generator=g)  # (T,)
     ids[: T // 3] = ids[0]  # a third of the tokens share one id
-    return ids
+    return ids.to(DEVICE)
 
 
 # (M1, N1, r, M2, N2, T): r, N1, N2 not powers of two and below 16 (padded), r = 30 and 32,
@@ -66,14 +68,14 @@ def test_chunks_cover_every_position_once():
 
 def test_all_tokens_one_id_and_all_ids_distinct():
     A, B = ttm_operands(4, 5, 6, 3, 7)
-    for ids in (torch.full((9,), 7), torch.randperm(12)):
+    for ids in (torch.full((9,), 7, device=DEVICE), torch.randperm(12).to(DEVICE)):
         compare_with_reference(ops.ttm_lookup, ttm_lookup_pairs, [ids, A, B], rtol=1e-4, atol=1e-4)
 
 
 def test_rows_no_token_reads_get_zero_gradient():
     A, B = ttm_operands(4, 5, 6, 3, 7)
-    ids = torch.tensor([0, 4, 4])  # rows (0, 0) and (1, 1): A[2:], B[:, 2] are never read
-    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.randn(3, 35), ids, A, B)
+    ids = torch.tensor([0, 4, 4], device=DEVICE)  # rows (0, 0) and (1, 1): A[2:], B[:, 2] are never read
+    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.randn(3, 35).to(A), ids, A, B)
     assert not dA[2:].any() and not dB[:, 2].any()
     assert dA[:2].abs().min() > 0
 
@@ -97,9 +99,9 @@ def test_strided_factors():
 
 def test_empty_ids():
     A, B = ttm_operands(5, 3, 4, 7, 5)
-    ids = torch.empty(0, dtype=torch.int64)
+    ids = torch.empty(0, dtype=torch.int64, device=DEVICE)
     assert ttm_lookup_kernel.ttm_lookup_fwd(ids, A, B).shape == (0, 15)
-    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.empty(0, 15), ids, A, B)
+    dA, dB = ttm_lookup_kernel.ttm_lookup_bwd(torch.empty(0, 15).to(A), ids, A, B)
     assert not dA.any() and not dB.any()
 
 
@@ -111,7 +113,8 @@ def test_empty_ids():
 ])
 def test_bad_input_raises_naming_it(ids, A_shape, B_shape, match):
     with pytest.raises(ValueError, match=match):
-        ttm_lookup_kernel.ttm_lookup_fwd(ids, torch.randn(A_shape), torch.randn(B_shape))
+        ttm_lookup_kernel.ttm_lookup_fwd(ids.to(DEVICE), torch.randn(A_shape, device=DEVICE),
+                                         torch.randn(B_shape, device=DEVICE))
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ The loop only calls components. Its contract with the outside world:
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -132,9 +133,11 @@ def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
 def _maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     """``train.compile``: torch.compile the model forward inside the engine (DeepSpeed's
     ``engine.compile``). A prune rebuilds the engine around a new module, so it is compiled again;
-    a stage switch changes only the objective outside the module (dynamo guards cover the rest)."""
+    a stage switch changes only the objective outside the module (dynamo guards cover the rest).
+    ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
+    traces the same graphs without inductor's minutes-long C++ code generation on CPU)."""
     if cfg.train.compile:
-        session.engine.compile()
+        session.engine.compile(backend=os.environ.get("COMERA_COMPILE_BACKEND", "inductor"))
 
 
 def _format(values: dict[str, float]) -> str:

@@ -34,6 +34,15 @@ def test_matches_reference_fp32(T, n_in, n_out, rank, bias):
     compare_with_reference(ops.tt_linear, tt_linear_lr, args, rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_operands_match_fp32_reference():
+    """bf16 in, bf16 out, fp32 accumulation (the interpreter upcasts dot operands; GPUs use bf16 MMA)."""
+    args = tt_operands(37, 20, 33, 5, bias=True, dtype=torch.bfloat16)
+    y = tt_linear_kernel.tt_linear_fwd(*args)
+    assert y.dtype == torch.bfloat16
+    compare_with_reference(ops.tt_linear, lambda *a: tt_linear_lr(*[t.float() for t in a]).to(torch.bfloat16),
+                           args, rtol=3e-2, atol=3e-2)
+
+
 @settings(max_examples=6, deadline=None)
 @given(T=st.integers(1, 50), n_in=st.integers(1, 40), n_out=st.integers(1, 40), rank=st.integers(1, 33),
        bias=st.booleans())

@@ -66,6 +66,14 @@ def test_chunks_cover_every_position_once():
     assert max(b - a for a, b in zip(s.chunk_start.tolist(), s.chunk_end.tolist())) <= 2
 
 
+def test_bf16_factors_match_fp32_reference():
+    A, B = ttm_operands(5, 3, 4, 7, 5, dtype=torch.bfloat16)
+    ids = _ids(23, 35, seed=8)
+    assert ttm_lookup_kernel.ttm_lookup_fwd(ids, A, B).dtype == torch.bfloat16
+    compare_with_reference(ops.ttm_lookup, lambda i, a, b: ttm_lookup_pairs(i, a.float(), b.float()).to(torch.bfloat16),
+                           [ids, A, B], rtol=3e-2, atol=3e-2)
+
+
 def test_all_tokens_one_id_and_all_ids_distinct():
     A, B = ttm_operands(4, 5, 6, 3, 7)
     for ids in (torch.full((9,), 7, device=DEVICE), torch.randperm(12).to(DEVICE)):

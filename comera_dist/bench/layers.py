@@ -15,6 +15,7 @@ the JSON records which setting each number used.
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -143,6 +144,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--malloc-tune", action="store_true",
                    help="also measure with glibc keeping freed blocks (no page faults on fresh outputs)")
     args = p.parse_args(argv)
+    load_start = os.getloadavg()  # the machine is shared: record how busy it was
     reps = args.steps or 7
     tokens = args.batch_size or 4096
     rows: list[dict[str, Any]] = []
@@ -173,6 +175,8 @@ def main(argv: list[str]) -> int:
             f"ttm_lookup_zipf_speedup_vs_naive{sfx}": zipf["speedup"],
         })
     config = {"tokens": tokens, "reps": reps, "dtype": "float32", "rank": 30, "embedding": PAPER_EMB,
-              "timing": "interleaved pairs, speedup = median of per-rep ratios", "memory": "saved-tensor bytes"}
+              "timing": "interleaved pairs, speedup = median of per-rep ratios",
+              "memory": "bytes autograd saves for backward, parameters and inputs excluded",
+              "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     write_result(args.json, "layers", metrics, rows, config)
     return 0

@@ -74,18 +74,29 @@ class TTEmbedding(TensorizedModule):
     # ---- conversion ------------------------------------------------------------------------
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, max_rank: int, num_cores: int = 4,
-                       **kwargs: Any) -> TTEmbedding:
-        """TT-SVD of ``embedding.weight``; exact when ``max_rank`` reaches the rank caps."""
-        w = embedding.weight.detach()  # (V, N)
-        kwargs.setdefault("padding_idx", embedding.padding_idx)
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, max_rank=max_rank, num_cores=num_cores,
-                    dtype=w.dtype, device=w.device, **kwargs)
+    def from_dense(cls, table: Tensor, *, max_rank: int, num_cores: int = 4, **kwargs: Any) -> TTEmbedding:
+        """TT-SVD of ``table (V, N)`` into TTM cores; exact when ``max_rank`` reaches the rank caps."""
+        if table.dim() != 2:
+            raise ValueError(f"table must be 2-D (num_embeddings, embedding_dim), got shape {tuple(table.shape)}")
+        w = table.detach()
+        layer = cls(w.shape[0], w.shape[1], max_rank=max_rank, num_cores=num_cores, dtype=w.dtype,
+                    device=w.device, **kwargs)
         cores = ttm_svd(w, layer.row_modes, layer.col_modes, max_rank, ranks=layer.full_ranks(active=False))
         with torch.no_grad():
             for p, c in zip(layer.cores, cores):
                 p.copy_(c)
         return layer
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, *, max_rank: int, num_cores: int = 4,
+                       **kwargs: Any) -> TTEmbedding:
+        """TT-SVD of ``embedding.weight`` (``padding_idx`` carried over); exact at the rank caps."""
+        kwargs.setdefault("padding_idx", embedding.padding_idx)
+        return cls.from_dense(embedding.weight, max_rank=max_rank, num_cores=num_cores, **kwargs)
+
+    def to_dense(self) -> Tensor:
+        """Alias of ``table()``: the masked dense table ``(num_embeddings, embedding_dim)``."""
+        return self.table()
 
     def table(self) -> Tensor:
         """The masked dense table ``(num_embeddings, embedding_dim)`` (tests, export; never in forward)."""

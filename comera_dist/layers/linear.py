@@ -79,22 +79,34 @@ class TTLinear(TensorizedModule):
     # ---- conversion ------------------------------------------------------------------------
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, max_rank: int, num_cores: int = 6, **kwargs: Any) -> TTLinear:
-        """TT-SVD of ``linear.weight.T``; exact when ``max_rank`` reaches the rank caps."""
-        w = linear.weight.detach()  # (out, in)
-        layer = cls(linear.in_features, linear.out_features, max_rank=max_rank, num_cores=num_cores,
-                    bias=linear.bias is not None, dtype=w.dtype, device=w.device, **kwargs)
-        cores = tt_svd(w.T, layer.in_modes, layer.out_modes, max_rank, ranks=layer.full_ranks(active=False))
+    def from_dense(cls, weight: Tensor, bias: Tensor | None = None, *, max_rank: int, num_cores: int = 6,
+                   **kwargs: Any) -> TTLinear:
+        """TT-SVD of ``weight (N_in, N_out)`` (``y = x W + b``); exact when ``max_rank`` reaches the caps."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D (N_in, N_out), got shape {tuple(weight.shape)}")
+        w = weight.detach()
+        layer = cls(w.shape[0], w.shape[1], max_rank=max_rank, num_cores=num_cores, bias=bias is not None,
+                    dtype=w.dtype, device=w.device, **kwargs)
+        cores = tt_svd(w, layer.in_modes, layer.out_modes, max_rank, ranks=layer.full_ranks(active=False))
         with torch.no_grad():
             for p, c in zip(layer.cores, cores):
                 p.copy_(c)
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias.detach())
+            if bias is not None:
+                layer.bias.copy_(bias.detach())
         return layer
 
-    def dense_weight(self) -> Tensor:
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, max_rank: int, num_cores: int = 6, **kwargs: Any) -> TTLinear:
+        """TT-SVD of ``linear.weight.T``; exact when ``max_rank`` reaches the rank caps."""
+        return cls.from_dense(linear.weight.T, linear.bias, max_rank=max_rank, num_cores=num_cores, **kwargs)
+
+    def to_dense(self) -> Tensor:
         """The masked dense weight ``(N_in, N_out)`` (tests, export; never used by ``forward``)."""
         return tt_to_dense(list(self.cores), self.masked_gates(), self.d)
+
+    def dense_weight(self) -> Tensor:
+        """Alias of ``to_dense()``."""
+        return self.to_dense()
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:

@@ -3,7 +3,7 @@
 Contracting the cores into ``L``/``R`` or the TTM halves is a chain of tiny GEMMs and
 multiplies (kilo- to mega-FLOPs). With several intra-op threads every such op pays an OpenMP
 fork/join; on a shared CPU the barrier waits for a descheduled sibling thread, and a 0.5 MFLOP
-GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/README-layers.md).
+GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/layers-cpu.md).
 ``on_one_thread(fn, *tensors)`` evaluates ``fn`` with one thread and replays its backward the
 same way through a private autograd graph. CUDA tensors (and single-threaded processes) call
 ``fn`` directly. Double backward through it is not supported.

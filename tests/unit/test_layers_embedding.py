@@ -131,3 +131,11 @@ def test_bad_input_names_the_parameter():
             TTEmbedding(101, 12, **kw)
     with pytest.raises(ValueError, match=r"ids must be int64 or int32 token ids, got dtype torch.float32"):
         TTEmbedding(101, 12, num_cores=2)(torch.zeros(3))
+
+
+def test_from_dense_and_to_dense_round_trip():
+    E = torch.randn(30, 6, dtype=torch.float64)
+    emb = TTEmbedding.from_dense(E, max_rank=10**6, num_cores=2)
+    torch.testing.assert_close(emb.to_dense(), E, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"table must be 2-D .* got shape \(30,\)"):
+        TTEmbedding.from_dense(E[:, 0], max_rank=4)

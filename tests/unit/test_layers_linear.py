@@ -133,3 +133,14 @@ def test_bad_input_names_the_parameter():
         TTLinear(0, 30)
     with pytest.raises(ValueError, match=r"input last dim is 23, TTLinear expects in_features=24"):
         TTLinear(24, 30)(torch.randn(2, 23))
+
+
+def test_from_dense_and_to_dense_round_trip():
+    W = torch.randn(12, 20, dtype=torch.float64)
+    b = torch.randn(20, dtype=torch.float64)
+    layer = TTLinear.from_dense(W, b, max_rank=10**6, num_cores=3)
+    torch.testing.assert_close(layer.to_dense(), W, rtol=1e-10, atol=1e-10)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ W + b, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"weight must be 2-D \(N_in, N_out\), got shape \(12,\)"):
+        TTLinear.from_dense(b[:12], max_rank=4)

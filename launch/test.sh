@@ -4,6 +4,6 @@
 # usage: launch/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} TRITON_INTERPRET=${TRITON_INTERPRET:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"

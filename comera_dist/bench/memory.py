@@ -27,10 +27,11 @@ def main(argv: list[str]) -> int:
         p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
+    threads = None
     for name in ("dense", "comera"):
         r = run_probe(workload="six-encoder", contender=name, batch_size=batch, steps=steps, smoke=args.smoke,
                       threads=args.threads)
-        tm = r["tensor_memory"]
+        tm, threads = r["tensor_memory"], r["threads"]
         rows.append({"contender": name, "batch": batch,
                      **{f"{role}_MiB": tm[f"{role}_bytes"] / 2**20 for role in ROLES},
                      "rss_above_baseline_MiB": r["rss_peak_above_baseline_bytes"] / 2**20, "step_s": r["step_s"]})
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
                                                         / by["comera"]["rss_above_baseline_MiB"])
     for name in ("dense", "comera"):
         metrics[f"{name}_activations_MiB_b{batch}"] = by[name]["activations_MiB"]
-    config = {"steps": steps, "batch_size": batch, "smoke": args.smoke, "process_per_contender": True,
+    config = {"steps": steps, "batch_size": batch, "smoke": args.smoke, "process_per_contender": True, "threads": threads,
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "memory", metrics, rows, config)
     return 0

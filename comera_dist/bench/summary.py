@@ -158,6 +158,18 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
     return lines
 
 
+def command(name: str, cfg: dict[str, Any]) -> str:
+    """The command line that reproduces a result, from the settings it recorded."""
+    parts = [f"python -m comera_dist.bench {name} --json docs/bench/{name}.json"]
+    for key, flag in (("steps", "--steps"), ("batch_size", "--batch-size"), ("keep", "--keep"),
+                      ("threads", "--threads")):
+        if cfg.get(key) is not None:
+            parts.append(f"{flag} {cfg[key]}")
+    if cfg.get("smoke"):
+        parts.append("--smoke")
+    return " ".join(parts)
+
+
 def render(bench_dir: Path, out: Path) -> str:
     results = {}
     for path in sorted(bench_dir.glob("*.json")):
@@ -175,10 +187,11 @@ def render(bench_dir: Path, out: Path) -> str:
              "them. Contenders of one benchmark ran side by side in one run; compare ratios, not absolute times",
              "(the machine is shared and noisy).", "",
              "## Machine", "", f"`{json.dumps(machine)}`", "",
+             "GPU figures: " + (", ".join(sorted({r["machine"]["gpu"] for r in results.values()
+                                                   if r["machine"].get("gpu")})) or
+                                "none (no GPU was lent to this run; every figure is CPU)") + ".", "",
              "| benchmark | command |", "|---|---|"]
-    lines += [f"| {n} | `python -m comera_dist.bench {n} --json docs/bench/{n}.json "
-              f"{_fmt(results[n]['config'].get('steps', '')) and '--steps ' + _fmt(results[n]['config'].get('steps'))}` |"
-              for n in names]
+    lines += [f"| {n} | `{command(n, results[n]['config'])}` |" for n in names]
     lines.append("")
     for n in names:
         lines += section(n, results[n], bench_dir, out.parent)

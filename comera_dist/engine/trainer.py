@@ -137,7 +137,9 @@ def _maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
     traces the same graphs without inductor's minutes-long C++ code generation on CPU)."""
     if cfg.train.compile:
-        session.engine.compile(backend=os.environ.get("COMERA_COMPILE_BACKEND", "inductor"))
+        backend = os.environ.get("COMERA_COMPILE_BACKEND", "inductor")
+        session.engine.compile(backend=backend)
+        log.info("torch.compile (%s): engine compiled = %s", backend, session.engine.is_compiled)
 
 
 def _format(values: dict[str, float]) -> str:

@@ -167,7 +167,7 @@ def verify_weights_only(path: Path) -> None:
         for shard in sorted(Path(path).glob("*.pt")):
             try:
                 torch.load(shard, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - any failure means the shard is not plain data
+            except Exception as e:
                 raise CheckpointError(f"{shard} does not load with weights_only=True (unexpected pickled "
                                       f"objects?): {str(e).splitlines()[0]}") from e
 

@@ -26,11 +26,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import deepspeed
-import torch
 import deepspeed.comm as dist
-from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param,
-                             safe_set_full_grad, safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                             safe_set_local_grad, safe_set_local_optimizer_state)
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
 from torch import Tensor, nn
 
 from comera_dist.compression.penalty import penalty_from_gates

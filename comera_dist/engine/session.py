@@ -28,8 +28,13 @@ from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.build import Built, construct_model, initialize
 from comera_dist.engine.config import solve_batch_sizes
 from comera_dist.engine.hooks import PenaltyHook, full_shape, gate_refs, gathered
-from comera_dist.engine.prune import (gather_full_state, load_full_state, model_at_shapes, prune_full_state,
-                                      restore_optimizer_state)
+from comera_dist.engine.prune import (
+    gather_full_state,
+    load_full_state,
+    model_at_shapes,
+    prune_full_state,
+    restore_optimizer_state,
+)
 from comera_dist.models.gpt import GPT
 
 Batch = Mapping[str, Tensor]
@@ -177,11 +182,11 @@ class TrainSession:
             if not math.isfinite(global_loss):
                 return self._skipped()  # only reachable with one micro-batch: nothing was back-propagated
             if i == 0 and self.penalty.active:
-                self.controller.advance(self.steps_done + 1, global_loss, int(round(global_size)))
+                self.controller.advance(self.steps_done + 1, global_loss, round(global_size))
             if self.penalty.active:
                 proxy = self.penalty.proxy()  # 0-d leaf holding R
                 objective = self.controller.objective(task, proxy, global_loss=global_loss,
-                                                      global_size=int(round(global_size)))
+                                                      global_size=round(global_size))
                 r_value = float(proxy.detach())
             else:
                 proxy, objective = None, task
@@ -296,8 +301,11 @@ class TrainSession:
                 "comera_enabled": self.cfg.comera.enabled}
 
     def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, before_publish=None) -> Path:
-        """Checkpoint at ``step`` on every rank (collective); ``client_state`` rides along and returns on resume."""
-        from comera_dist.config import resolved_dict  # config imports engine.config; avoid the cycle at import
+        """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
+        e.g. its loader position) rides along and comes back to that rank on resume."""
+        from comera_dist.config import (
+            resolved_dict,  # config imports engine.config; avoid the cycle at import
+        )
 
         rng = [None] * self.world_size
         dist.all_gather_object(rng, _rng_state())
@@ -306,7 +314,11 @@ class TrainSession:
                         "rng": rng, "world_size": self.world_size}
         meta = {"identity": self.identity(), "plans": [pl.to_json() for pl in self.plans],
                 "world_size": self.world_size, "zero_stage": self.cfg.deepspeed.zero_stage}
-        client = {"comera": comera_state, "client": dict(client_state or {})}
+        # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
+        # own dict is gathered here and each rank gets its own back on resume.
+        clients: list[Any] = [None] * self.world_size
+        dist.all_gather_object(clients, dict(client_state or {}))
+        client = {"comera": comera_state, "clients": clients}
         return ckpt.save(self.engine, self.checkpoint_root, step, client_state=client, meta=meta,
                          resolved_config=resolved_dict(self.cfg), keep=self.cfg.train.keep_checkpoints,
                          before_publish=before_publish)
@@ -341,4 +353,4 @@ class TrainSession:
         self.steps_done = state["steps_done"]
         self.nonfinite_total = state["nonfinite_total"]
         _set_rng_state(state["rng"][dist.get_rank()])
-        return dict(client["client"], step=state["step"])
+        return dict(client["clients"][dist.get_rank()], step=state["step"])

@@ -17,8 +17,9 @@ import pickle
 import signal
 import socket
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ per-role lrs and both controller stages (the late stage starts at step 2).
 from __future__ import annotations
 
 import torch
-
 from dist_helpers import run_ranks
 from engine_cases import batch, factory, full_params, tiny_config
 

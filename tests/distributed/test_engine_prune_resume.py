@@ -1,4 +1,6 @@
-"""Prune-and-rebuild and sharded resume on 2 real ranks, at ZeRO 1 and ZeRO 3.
+"""Prune-and-rebuild, sharded resume and atomic saves at ZeRO 1 and 3; non-finite skips, LR warmup, bf16.
+
+All on 2 real ranks.
 
 Dead ranks are made explicitly: two gate entries of one layer are set far below tau in the fp32
 master state (``safe_set_full_fp32_param``); the mask then zeroes their gradients, so they stay
@@ -7,14 +9,15 @@ dead, and the next scheduled prune must slice them out of the cores on every ran
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
-
 from dist_helpers import run_ranks
-from engine_cases import batch, factory, tiny_config
+from engine_cases import batch, factory, full_params, tiny_config
 
 LAYER, BOND = "blocks.0.attn.query", 1
 
@@ -63,11 +66,20 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
                       "next": s.train_step([batch(3, rank)]).task_loss,
                       "local_shapes": {n: tuple(p.shape) for n, p in s.module.named_parameters()}}
         s.engine.destroy()
+    out.update(_features(rank, world_size, outdir))
     return out
 
 
-def test_prune_and_rebuild_zero1_zero3(tmp_path):
-    results = run_ranks(_prune_case, tmp_path / "work", str(tmp_path / "runs"))
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """One 2-rank job for the prune and the feature tests (process start-up dominates their cost)."""
+    tmp = tmp_path_factory.mktemp("short")
+    return run_ranks(_prune_case, tmp / "work", str(tmp / "runs"))
+
+
+def test_prune_and_rebuild_zero1_zero3(short_runs):
+    """Prune at ZeRO 1 and 3: shapes shrink on every rank, loss continuous, Adam moments carried over."""
+    results = short_runs
     for stage in (1, 3):
         for rank in (0, 1):
             r = results[rank][stage]
@@ -93,6 +105,71 @@ def test_prune_and_rebuild_zero1_zero3(tmp_path):
         assert results[0][stage]["next"] == results[1][stage]["next"]
     # ZeRO-3 holds partitions: local shapes are empty while ds_shape carries the pruned sizes
     assert results[0][3]["local_shapes"][f"{LAYER}.gates.{BOND}"] == (0,)
+
+
+def _poison(module, rank: int, armed: dict) -> None:
+    """Rank 0's loss becomes NaN while ``armed["on"]``: only the all-reduce tells rank 1."""
+    def hook(_mod, _args, out):
+        if armed["on"] and rank == 0:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+    module.register_forward_hook(hook)
+
+
+def _features(rank: int, world_size: int, outdir: str) -> dict:
+    from comera_dist.engine.prune import optimizer_step_count
+    from comera_dist.engine.session import TrainSession
+
+    out: dict = {}
+    for stage, accum in ((0, 1), (2, 2)):
+        cfg = tiny_config(f"{outdir}/nan{stage}", zero_stage=stage, accumulation=accum)
+        s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+        armed = {"on": False}
+        _poison(s.module, rank, armed)
+        s.train_step([batch(1, rank, m) for m in range(accum)])
+        before, steps_before = full_params(s), optimizer_step_count(s.engine)
+        armed["on"] = True
+        skipped = s.train_step([batch(2, rank, m) for m in range(accum)])
+        armed["on"] = False
+        unchanged = all(torch.equal(v, before[n]) for n, v in full_params(s).items())
+        steps_after_skip = optimizer_step_count(s.engine)
+        good = s.train_step([batch(3, rank, m) for m in range(accum)])
+        out[f"nan{stage}"] = {"skipped": skipped, "unchanged": unchanged, "good": good,
+                              "counts": (steps_before, steps_after_skip, optimizer_step_count(s.engine)),
+                              "total": s.nonfinite_total}
+        s.engine.destroy()
+    cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6,
+                      scheduler={"kind": "warmup_decay", "warmup_steps": 3})
+    s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+    steps = [s.train_step([batch(k, rank)]) for k in range(1, 5)]
+    out["bf16"] = {"losses": [o.task_loss for o in steps],
+                   "group_lrs": {g["name"]: g["lr"] for g in s.engine.optimizer.param_groups},
+                   "lrs": [o.lr for o in steps],
+                   "dtype": str(next(s.module.parameters()).dtype)}
+    s.engine.destroy()
+    return out
+
+
+
+def test_nonfinite_skip_schedule_bf16(short_runs):
+    """A NaN loss on one rank skips the step on both (ZeRO 0; ZeRO 2 with accumulation); LR warmup
+    per role; bf16 at ZeRO 2."""
+    results = short_runs
+    for rank in (0, 1):
+        r = results[rank]
+        for key in ("nan0", "nan2"):
+            case = r[key]
+            assert case["skipped"].skipped_nonfinite and case["unchanged"], key  # both ranks skip, no update
+            assert case["total"] == 1 and not case["good"].skipped_nonfinite
+            assert math.isfinite(case["good"].task_loss)
+            before, after_skip, after_good = case["counts"]
+            assert before == after_skip == 1 and after_good == 2  # the optimizer never ran on the NaN step
+        bf16 = r["bf16"]
+        assert bf16["dtype"] == "torch.bfloat16" and all(math.isfinite(v) for v in bf16["losses"])
+        # linear warmup over 3 steps (DeepSpeed counts from 0), each role at its own peak lr
+        assert bf16["lrs"][0] < bf16["lrs"][1] < bf16["lrs"][2]
+        assert bf16["group_lrs"]["gates"] / bf16["group_lrs"]["cores"] == 5.0
+    assert results[0]["bf16"]["losses"] == results[1]["bf16"]["losses"]
 
 
 STEPS, SAVE_AT = 4, 2
@@ -123,7 +200,9 @@ def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
         s.save(SAVE_AT, {"data_position": SAVE_AT * 10 + rank})
         _train(s, rank, range(SAVE_AT + 1, SAVE_AT + 2))  # progress after the save is lost by the kill
         if stage == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
+            # Every rank writes its shards of the next checkpoint, then rank 0 dies before publishing
+            # it (rank 1 fails in the next collective): `latest` must stay on the step-2 checkpoint.
+            s.save(SAVE_AT + 1, before_publish=lambda tmp_dir: os.kill(os.getpid(), signal.SIGKILL))
         s.engine.destroy()
 
 
@@ -142,10 +221,16 @@ def _resumed(rank: int, world_size: int, outdir: str) -> dict:
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    """2N straight == N, kill, resume auto, N more (bitwise, ZeRO 1 and 3, pruned model); a save
+    killed before publication never moves ``latest`` and ``resume auto`` takes the last complete one."""
     runs = tmp_path / "runs"
     runs.mkdir()
-    run_ranks(_straight_then_killed, tmp_path / "work1", str(runs), expect_exit={0: -signal.SIGKILL,
-                                                                                 1: -signal.SIGKILL})
+    run_ranks(_straight_then_killed, tmp_path / "work1", str(runs), expect_exit={0: -signal.SIGKILL, 1: None})
+    root = runs / "killed3" / "checkpoints"
+    assert (root / "latest").read_text() == "step00000002"
+    partial = root / ".tmp-step00000003"  # shards written, never published
+    assert any(partial.iterdir()) and not (partial / "COMPLETE").exists()
+    assert not (root / "step00000003").exists()
     resumed = run_ranks(_resumed, tmp_path / "work2", str(runs))
     for stage in (1, 3):
         ckpt = runs / f"killed{stage}" / "checkpoints" / "step00000002"
@@ -153,7 +238,6 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
         for rank in (0, 1):
             r = resumed[rank][stage]
             straight = torch.load(runs / f"straight{stage}-{rank}.pt")
-            assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT} or \
-                r["client"]["step"] == SAVE_AT
+            assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT}
             assert r["dims"][LAYER] == [4, 2, 4]  # rebuilt at the pruned shapes before loading
             assert r["losses"] == straight[SAVE_AT:], (stage, rank, r["losses"], straight)

@@ -53,14 +53,14 @@ def _reference(cfg, init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
         task = [model(**batch(step, r, m))["loss"] for r in range(2) for m in range(ACCUM)]
         mean_loss = torch.stack(task).mean()
         size = model_size(model)
-        controller.advance(step, float(mean_loss), size)
-        objective = controller.objective(mean_loss, rank_penalty(model), global_loss=float(mean_loss),
+        controller.advance(step, float(mean_loss.detach()), size)
+        objective = controller.objective(mean_loss, rank_penalty(model), global_loss=float(mean_loss.detach()),
                                          global_size=size)
         objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), ds.gradient_clipping)
         opt.step()
         opt.zero_grad()
-        losses.append(float(mean_loss))
+        losses.append(float(mean_loss.detach()))
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 

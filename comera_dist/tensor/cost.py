@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from comera_dist.tensor.accounting import tt_dense_flops, tt_lr_flops, tt_sequential_flops
 
 ORDERS: tuple[str, ...] = ("lr", "sequential", "dense")
@@ -84,10 +86,18 @@ def _choose(tokens: int, in_modes: tuple[int, ...], out_modes: tuple[int, ...], 
             bytes_per_element: int, flops_per_byte: float, memory_budget: int | None) -> Order:
     costs = order_costs(tokens, list(in_modes), list(out_modes), list(ranks),
                         bytes_per_element=bytes_per_element, flops_per_byte=flops_per_byte)
-    fitting = [o for o in costs.values() if memory_budget is None or o.saved_bytes <= memory_budget]
-    if not fitting:  # nothing fits: the least memory wins
-        return min(costs.values(), key=lambda o: (o.saved_bytes, o.flops))
-    return min(fitting, key=lambda o: (o.score, ORDERS.index(o.name)))
+    # Plain loops rather than min(key=...): torch.compile traces this without a graph break.
+    best: Order | None = None
+    for name in ORDERS:  # ties go to the earlier order
+        o = costs[name]
+        if (memory_budget is None or o.saved_bytes <= memory_budget) and (best is None or o.score < best.score):
+            best = o
+    if best is None:  # nothing fits: the least memory wins
+        for o in costs.values():
+            if best is None or (o.saved_bytes, o.flops) < (best.saved_bytes, best.flops):
+                best = o
+    assert best is not None
+    return best
 
 
 def choose_order(tokens: int, in_modes: list[int], out_modes: list[int], ranks: list[int], d: int | None = None,
@@ -98,5 +108,6 @@ def choose_order(tokens: int, in_modes: list[int], out_modes: list[int], ranks: 
         raise ValueError(f"d={d} differs from len(in_modes)={len(in_modes)}")
     if len(ranks) != len(in_modes) + len(out_modes) + 1:
         raise ValueError(f"ranks {ranks} must have length {len(in_modes) + len(out_modes) + 1}")
-    return _choose(int(tokens), tuple(in_modes), tuple(out_modes), tuple(ranks), bytes_per_element,
+    choose = _choose.__wrapped__ if torch.compiler.is_compiling() else _choose  # dynamo skips lru_cache
+    return choose(int(tokens), tuple(in_modes), tuple(out_modes), tuple(ranks), bytes_per_element,
                    float(flops_per_byte), memory_budget)

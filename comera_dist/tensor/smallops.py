@@ -5,8 +5,8 @@ multiplies (kilo- to mega-FLOPs). With several intra-op threads every such op pa
 fork/join; on a shared CPU the barrier waits for a descheduled sibling thread, and a 0.5 MFLOP
 GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/layers-cpu.md).
 ``on_one_thread(fn, *tensors)`` evaluates ``fn`` with one thread and replays its backward the
-same way through a private autograd graph. CUDA tensors (and single-threaded processes) call
-``fn`` directly. Double backward through it is not supported.
+same way through a private autograd graph. CUDA tensors, ``torch.compile`` tracing and
+single-threaded processes call ``fn`` directly. Double backward through it is not supported.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class _OneThreadFn(torch.autograd.Function):
 
 def on_one_thread(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
     """``fn(*inputs)`` (a tuple of tensors) computed, and differentiated, on one CPU thread."""
-    if torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
-        return fn(*inputs)
+    if torch.compiler.is_compiling() or torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
+        return fn(*inputs)  # compiled graphs schedule their own small ops
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         with _OneThread():
             return fn(*inputs)

@@ -282,7 +282,10 @@ class TrainSession:
         self._use(built)
         restore_optimizer_state(self.engine, state, set_master=self.cfg.deepspeed.precision != "fp32")
         if sched is not None:
+            # A fresh scheduler has written its *initial* lrs into the new param groups; re-apply the
+            # schedule at the saved position, or the next step would run at the warmup-start lr.
             self.engine.lr_scheduler.load_state_dict(sched)
+            self.engine.lr_scheduler.step(sched["last_batch_iteration"])
         self.engine.global_steps = old.global_steps
         self.engine.global_samples = old.global_samples
 

@@ -138,13 +138,22 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
                               "counts": (steps_before, steps_after_skip, optimizer_step_count(s.engine)),
                               "total": s.nonfinite_total}
         s.engine.destroy()
-    cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6,
+    cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6, prune_every=4,
                       scheduler={"kind": "warmup_decay", "warmup_steps": 3})
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+    _kill_two_ranks(s)
     steps = [s.train_step([batch(k, rank)]) for k in range(1, 5)]
+    master_before = full_params(s)
+    lrs_before = [g["lr"] for g in s.engine.optimizer.param_groups]
+    pruned = s.maybe_prune(4)  # bf16 rebuild: the fp32 master must survive, not the rounded bf16 copy
+    master_after = full_params(s)
     out["bf16"] = {"losses": [o.task_loss for o in steps],
                    "group_lrs": {g["name"]: g["lr"] for g in s.engine.optimizer.param_groups},
-                   "lrs": [o.lr for o in steps],
+                   "lrs": [o.lr for o in steps], "pruned": pruned, "dims": s.bond_dims()[LAYER],
+                   "lrs_rebuild": (lrs_before, [g["lr"] for g in s.engine.optimizer.param_groups]),
+                   "master_kept": all(torch.equal(master_after[n], master_before[n])
+                                      for n in master_after if LAYER not in n),
+                   "next": s.train_step([batch(5, rank)]).task_loss,
                    "dtype": str(next(s.module.parameters()).dtype)}
     s.engine.destroy()
     return out
@@ -169,6 +178,9 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
         # linear warmup over 3 steps (DeepSpeed counts from 0), each role at its own peak lr
         assert bf16["lrs"][0] < bf16["lrs"][1] < bf16["lrs"][2]
         assert bf16["group_lrs"]["gates"] / bf16["group_lrs"]["cores"] == 5.0
+        assert bf16["pruned"] and bf16["dims"] == [4, 2, 4] and bf16["master_kept"]
+        assert bf16["lrs_rebuild"][0] == bf16["lrs_rebuild"][1]  # the schedule continues across the rebuild
+        assert math.isfinite(bf16["next"])
     assert results[0]["bf16"]["losses"] == results[1]["bf16"]["losses"]
 
 

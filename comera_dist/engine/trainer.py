@@ -61,20 +61,11 @@ def _model_factory(cfg: RunConfig):
     return lambda: build_model(cfg.model, tensorize)
 
 
-def _gather_objects(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj`` (the per-rank data position rides in the checkpoint as a list)."""
-    if world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size
-    tdist.all_gather_object(out, obj)
-    return out
-
-
 def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFiniteGuard,
-                metrics: Metrics, info: DistInfo, reason: str) -> None:
-    """Save on every rank (a collective): data positions of all ranks, the step, counters."""
-    client = {"step": step, "data_states": _gather_objects(data.train.state_dict(), info.world_size),
-              "nonfinite_steps_total": guard.total, "reason": reason}
+                metrics: Metrics, reason: str) -> None:
+    """Save on every rank (a collective); each rank's client state (its data position) rides along."""
+    client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
+              "reason": reason}
     try:
         session.save(step, client)
     except Exception:
@@ -83,7 +74,7 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
     metrics.checkpoint_saved(True, step)
 
 
-def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str, info: DistInfo) -> int:
+def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str) -> int:
     """Load ``spec`` (auto|none|path) into the session and the data loader; the step to start after."""
     try:
         client = session.resume(spec)
@@ -91,11 +82,7 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
         raise InputError(str(e).replace("\n", " ")) from e
     if client is None:
         return 0
-    states = client["data_states"]
-    if len(states) != info.world_size:
-        raise InputError(f"checkpoint was written by {len(states)} ranks, this job has {info.world_size}; "
-                         "convert it with DeepSpeed's universal checkpoint to change the world size")
-    data.train.load_state_dict(states[info.rank])
+    data.train.load_state_dict(client["data_state"])  # this rank's own (the session checks the world size)
     guard.total = client.get("nonfinite_steps_total", 0)
     log.info("resumed at step %d", client["step"])
     return int(client["step"])
@@ -162,7 +149,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     data = build_run_data(cfg, info)  # rank 0 builds corpus + tokenizer, the others wait; checks compat
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
     guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
-    start = _restore(session, data, guard, resume, info)
+    start = _restore(session, data, guard, resume)
     faults = NonFiniteInjector(info.rank)
     faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
     _maybe_compile(cfg, session)
@@ -206,15 +193,15 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             if guard.tripped:
                 log.error("stopping: %d consecutive non-finite steps; checkpointing the last good state",
                           guard.consecutive)
-                _checkpoint(session, data, step, guard, metrics, info, reason="nonfinite")
+                _checkpoint(session, data, step, guard, metrics, reason="nonfinite")
                 status = EXIT_NONFINITE
                 break
             if stop.agree():
                 log.warning("stop requested (%s): checkpointing at step %d", stop.signal_name or "peer", step)
-                _checkpoint(session, data, step, guard, metrics, info, reason="signal")
+                _checkpoint(session, data, step, guard, metrics, reason="signal")
                 break
             if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
-                _checkpoint(session, data, step, guard, metrics, info, reason="schedule")
+                _checkpoint(session, data, step, guard, metrics, reason="schedule")
     finally:
         metrics.close()  # the report; a stop signal meanwhile only sets the flag
         stop.close()

@@ -50,8 +50,8 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     assert (out / "checkpoints" / "latest").read_text().strip() == tag_for(6)
     before = _model_states(out / "checkpoints" / tag_for(3))
     after = _model_states(out / "checkpoints" / tag_for(6))
-    client = after["client"]
-    assert client["reason"] == "nonfinite" and client["nonfinite_steps_total"] == 4
+    for client in after["clients"]:  # every rank's client state
+        assert client["reason"] == "nonfinite" and client["nonfinite_steps_total"] == 4
     # Steps 4-6 were skipped on both ranks (the poison was on rank 0 only): the weights at the stop
     # are bitwise the weights after step 3, the last good step.
     assert before["module"].keys() == after["module"].keys()

@@ -48,7 +48,7 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
         end = time.time()
         text = log.read_text()
         assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text
-        assert _steps(text, 10) == list(range(1, 11)), text
+        assert _steps(text, 10) == list(range(0, 11)), text  # step 0: the initial evaluation
         ckpts = tmp_path / "run/checkpoints"
         assert (ckpts / "latest").read_text().strip() == "step00000010"
         assert json.loads(sd_file.read_text()) == []  # target withdrawn at exit
@@ -89,9 +89,9 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
     assert 2 <= stopped < 24
     first, second = text.split("pretrain.sh: job", 2)[1:] if text.count("pretrain.sh: job") == 2 else (text, "")
     assert "restart 1 on 1 node(s)" in second, text
-    assert _steps(first, 24) == list(range(1, stopped + 1))
+    assert _steps(first, 24) == list(range(0, stopped + 1))
     assert f"resumed at step {stopped}" in second
-    assert _steps(second, 24) == list(range(stopped + 1, 25))  # continues the step count, no step repeated
+    assert _steps(second, 24) == list(range(stopped + 1, 25))  # continues the count: no step 0, none repeated
     ckpts = tmp_path / "run/checkpoints"
     assert (ckpts / f"step{stopped:08d}").is_dir() and (ckpts / "latest").read_text().strip() == "step00000024"
 
@@ -104,5 +104,5 @@ def test_two_emulated_nodes_train(slurm_2nodes, tmp_path):
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text
     assert "on 2 node(s) (n[1-2]), head n1=127.0.0.1" in text and "1 process(es)/node" in text
     assert sorted(re.findall(r"rank (\d)/2 up \(local rank 0,", text)) == ["0", "1"], text
-    assert _steps(text, 3) == [1, 2, 3]
+    assert _steps(text, 3) == [0, 1, 2, 3]
     assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "step00000003"

@@ -351,6 +351,9 @@ class TrainSession:
         loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
         if loaded is None:
             raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+        sched = self.engine.lr_scheduler
+        if sched is not None and hasattr(sched, "last_batch_iteration"):
+            sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
         state = client["comera"]
         self.controller.load_state_dict(state["controller"])
         self.steps_done = state["steps_done"]

@@ -38,6 +38,7 @@ def _kill_two_ranks(session) -> None:
 def _session(outdir: str, stage: int, **kw):
     from comera_dist.engine.session import TrainSession
 
+    kw.setdefault("scheduler", {"kind": "warmup_cosine", "warmup_steps": 2})
     cfg = tiny_config(outdir, zero_stage=stage, steps=4, prune_every=2, late_stage_step=3, **kw)
     return TrainSession.create(cfg, factory(cfg), world_size=2)
 

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from comera_dist.compression.controller import RankController
 from comera_dist.compression.groups import param_groups
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.compression.pruning import apply_plan, make_plan, prune_due
+from comera_dist.config import apply_overrides
 from comera_dist.configbase import from_dict, load_yaml
 from comera_dist.data.config import DataConfig
 from comera_dist.data.loader import PackedLoader, eval_batches
@@ -45,9 +47,13 @@ from comera_dist.models.config import ModelConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "codebert-tiny-cpu.yaml"
 
 
-def load_sections(path: Path, *, smoke: bool) -> tuple[ModelConfig, ComeraConfig, DataConfig, dict[str, Any]]:
-    """model / comera / data sections (strictly validated) and the raw train section of ``path``."""
-    raw = load_yaml(path)
+def load_sections(path: Path, *, smoke: bool, overrides: Sequence[str] = ()
+                  ) -> tuple[ModelConfig, ComeraConfig, DataConfig, dict[str, Any]]:
+    """model / comera / data sections (strictly validated) and the raw train section of ``path``.
+
+    ``overrides`` are ``section.key=value`` strings (as ``comera pretrain --set``), applied first.
+    """
+    raw = apply_overrides(load_yaml(path), overrides)
     for key in ("model", "comera", "data"):
         if key not in raw:
             raise ValueError(f"codebert: config {path} has no {key!r} section")
@@ -139,11 +145,13 @@ def main(argv: list[str]) -> int:
     p = base_parser("codebert", "CodeBERT-like MLM on the stdlib corpus: dense vs CoMERA at an equal token budget")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="run config YAML (model/comera/data/train)")
     p.add_argument("--smoke", action="store_true", help="tiny model and corpus of the same pipeline (CI)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.hidden_size=384 (repeatable)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between validation evaluations")
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
-    model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke)
+    model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke, overrides=args.overrides)
     steps = int(train.get("steps", 200)) if args.steps is None else args.steps
     batch_size = 16 if args.batch_size is None else args.batch_size
     eval_every = args.eval_every or max(1, steps // 8)
@@ -170,7 +178,7 @@ def main(argv: list[str]) -> int:
         "val_loss_ratio_comera_over_dense": runs["comera"]["final_val_loss"] / runs["dense"]["final_val_loss"],
         "epoch_speedup_vs_dense": runs["dense"]["train_s"] / runs["comera"]["train_s"],
     }
-    config = {"config": str(args.config), "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
+    config = {"config": str(args.config), "overrides": args.overrides, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
               "smoke": args.smoke, "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
               "loop": "plain single-process loop (same model, controller, pruning as the engine)",
               "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},

@@ -122,7 +122,8 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
     lines = [f"## {name}", ""]
     load = (cfg.get("load_avg_start"), cfg.get("load_avg_end"))
     run = {k: v for k, v in cfg.items() if k in ("steps", "batch_size", "batch_sizes", "seq_len", "threads",
-                                                  "smoke", "keep", "loop", "galore", "config", "schedule_scale")}
+                                                  "smoke", "keep", "loop", "galore", "config", "overrides",
+                                                  "schedule_scale")}
     lines += [f"Run settings: `{json.dumps(run)}`.", ""]
     if all(load):
         lines += [f"1-min load average at start / end: {load[0][0]:.1f} / {load[1][0]:.1f} (2 cores).", ""]
@@ -165,6 +166,7 @@ def command(name: str, cfg: dict[str, Any]) -> str:
                       ("threads", "--threads")):
         if cfg.get(key) is not None:
             parts.append(f"{flag} {cfg[key]}")
+    parts += [f"--set {o}" for o in cfg.get("overrides") or []]
     if cfg.get("smoke"):
         parts.append("--smoke")
     return " ".join(parts)

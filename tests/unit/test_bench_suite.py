@@ -154,3 +154,8 @@ def test_bad_contender_and_config(tmp_path: Path):
     bad.write_text("model: {arch: bert_mlm}\n")
     with pytest.raises(ValueError, match=r"c\.yaml has no 'comera' section"):
         codebert.load_sections(bad, smoke=True)
+    model, _, _, _ = codebert.load_sections(codebert.DEFAULT_CONFIG, smoke=False,
+                                            overrides=["model.hidden_size=96", "model.num_heads=3"])
+    assert (model.hidden_size, model.num_heads) == (96, 3)
+    with pytest.raises(ValueError, match="hiden"):
+        codebert.load_sections(codebert.DEFAULT_CONFIG, smoke=False, overrides=["model.hiden=3"])

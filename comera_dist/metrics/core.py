@@ -125,7 +125,7 @@ class Metrics:
         if self.progress:
             self.progress.close()
         if self.exporter:
-            self.exporter.close()
+            self.exporter.close(self.cfg.final_scrape_timeout_s)
         if self.active and self.cfg.report:
             path = write_report(self.history, self.output_dir, run_name=self.run_name,
                                 world_size=self.world_size, total_steps=self.total_steps)

@@ -59,10 +59,13 @@ class _GaugeCollector(Collector):
         self._ranks: dict[tuple[str, str], int] = {}
         self._ranks_dropped = 0
         self._limit = rank_label_limit
+        self.last_update = 0.0  # monotonic time of the last set/set_ranks
+        self.last_scrape = 0.0  # monotonic time of the last collect() (an HTTP scrape)
 
     def set(self, name: str, help_text: str, value: float) -> None:
         with self._lock:
             self._values[name] = (help_text, value)
+            self.last_update = time.monotonic()
 
     def set_ranks(self, ranks: Mapping[str, list[int]]) -> None:
         pairs = sorted((layer, str(bond)) for layer, bonds in ranks.items() for bond in range(len(bonds)))
@@ -73,10 +76,12 @@ class _GaugeCollector(Collector):
         with self._lock:
             self._ranks = {(layer, bond): ranks[layer][int(bond)] for layer, bond in kept}
             self._ranks_dropped = len(pairs) - len(kept)
+            self.last_update = time.monotonic()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             values, ranks, dropped = dict(self._values), dict(self._ranks), self._ranks_dropped
+            self.last_scrape = time.monotonic()
         for name, (help_text, value) in values.items():
             yield GaugeMetricFamily(name, help_text, value=value)
         if ranks:
@@ -153,15 +158,28 @@ class PrometheusExporter:
 
     def checkpoint(self, ok: bool, now: float) -> None:
         self._checkpoints.labels(outcome="success" if ok else "failure").inc()
+        self._gauges.last_update = time.monotonic()  # a counter moved: the final scrape must see it
         if ok:
             self._gauges.set("comera_checkpoint_last_success_timestamp_seconds",
                              "Unix time of the last complete checkpoint.", now)
 
-    def close(self) -> None:
-        """Stop serving and withdraw the target from the discovery file."""
+    def close(self, final_scrape_timeout_s: float = 0.0) -> bool:
+        """Stop serving and withdraw the target from the discovery file.
+
+        With ``final_scrape_timeout_s`` > 0, first wait (at most that long) for a scrape that
+        reads the latest values. Returns whether such a scrape happened.
+        """
+        deadline = time.monotonic() + final_scrape_timeout_s
+        while self._gauges.last_scrape <= self._gauges.last_update and time.monotonic() < deadline:
+            time.sleep(0.05)
+        scraped = self._gauges.last_scrape > self._gauges.last_update
+        if final_scrape_timeout_s > 0 and not scraped:
+            log.warning("metrics: no scrape of the final values within %.0f s (metrics.final_scrape_timeout_s)",
+                        final_scrape_timeout_s)
         self._server.shutdown()
         self._server.server_close()
         self._write_sd([])
+        return scraped
 
     def _write_sd(self, groups: list[dict]) -> None:
         # atomic replace: Prometheus re-reads the file on change and must never see half of it

@@ -38,6 +38,7 @@ def metrics(tmp_path):
     ("prometheus_host", "bad host", "metrics.prometheus_host must be an IP address or host name"),
     ("sd_file", " ", "metrics.sd_file must be a path or null"),
     ("compression_target", -1.0, "metrics.compression_target must be > 0 or null, got -1.0"),
+    ("final_scrape_timeout_s", -1.0, "metrics.final_scrape_timeout_s must be in [0, 3600], got -1.0"),
 ])
 def test_config_rejects_bad_values(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -171,3 +172,35 @@ def test_standard_keys_documented():
     text = (Path(__file__).resolve().parents[2] / "monitoring/README.md").read_text()
     for key in STANDARD_KEYS:
         assert f"`{key}`" in text, key
+
+
+def test_close_waits_for_a_final_scrape(tmp_path):
+    import threading
+    import time
+
+    m = build_metrics(MetricsConfig(progress=False, report=False, final_scrape_timeout_s=30), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="linger")
+    m.log({"train_loss": 1.5}, 1)
+    seen = {}
+
+    def scraper():  # a late scraper, as Prometheus is for a job that lived only seconds
+        time.sleep(0.5)
+        seen.update(_scrape(m))
+
+    t = threading.Thread(target=scraper)
+    t.start()
+    t0 = time.monotonic()
+    assert m.exporter.close(m.cfg.final_scrape_timeout_s) is True
+    t.join()
+    assert 0.4 < time.monotonic() - t0 < 10 and seen[("comera_train_loss", ())] == 1.5
+
+
+def test_close_gives_up_without_scraper(tmp_path):
+    import time
+
+    m = build_metrics(MetricsConfig(progress=False, report=False, final_scrape_timeout_s=0.3), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="alone")
+    m.log({"train_loss": 1.5}, 1)
+    t0 = time.monotonic()
+    assert m.exporter.close(0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 5

@@ -43,20 +43,26 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
         start = time.time()
         job, log = _submit(slurm_1node, tmp_path, "--set", "train.steps=10", "--set", "train.eval_every=5",
                            "--set", "train.checkpoint_every=5", "--set", f"metrics.sd_file={sd_file}",
-                           "--set", "metrics.compression_target=2.0")
+                           "--set", "metrics.compression_target=2.0",
+                           # the run lasts seconds: without it the final values (step 10, its checkpoint)
+                           # may never be scraped (file_sd changes reach the scrapers every 5 s)
+                           "--set", "metrics.final_scrape_timeout_s=30")
         info = slurm_1node.wait(job, timeout=400)
         end = time.time()
         text = log.read_text()
         assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text
-        assert _steps(text, 10) == list(range(0, 11)), text  # step 0: the initial evaluation
+        assert _steps(text, 10) == list(range(11)), text  # step 0: the initial evaluation
         ckpts = tmp_path / "run/checkpoints"
         assert (ckpts / "latest").read_text().strip() == "step00000010"
         assert json.loads(sd_file.read_text()) == []  # target withdrawn at exit
+        assert "no scrape of the final values" not in text
 
         def series(expr):  # the job's whole life: its exporter is gone now
             return promserver.query_range(port, expr, start, end, step=0.5)
 
         # compression ratio: the value the trainer printed at its last step
+        (step,) = series("comera_train_step")
+        assert float(step["values"][-1][1]) == 10  # the final values were scraped
         (ratio,) = series('comera_compression_ratio{job="comera",run="run"}')
         printed = float(re.findall(r"step 10/10 .*compression_ratio ([\d.]+)", text)[0])
         assert float(ratio["values"][-1][1]) == pytest.approx(printed, rel=1e-3)
@@ -89,7 +95,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
     assert 2 <= stopped < 24
     first, second = text.split("pretrain.sh: job", 2)[1:] if text.count("pretrain.sh: job") == 2 else (text, "")
     assert "restart 1 on 1 node(s)" in second, text
-    assert _steps(first, 24) == list(range(0, stopped + 1))
+    assert _steps(first, 24) == list(range(stopped + 1))
     assert f"resumed at step {stopped}" in second
     assert _steps(second, 24) == list(range(stopped + 1, 25))  # continues the count: no step 0, none repeated
     ckpts = tmp_path / "run/checkpoints"

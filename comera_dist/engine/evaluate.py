@@ -81,9 +81,13 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
 def _read(path: Path) -> tuple[RunConfig, dict[str, Any]]:
     """The resolved config and side metadata of checkpoint ``path`` (no weights read)."""
     try:
-        cfg = build_run_config(yaml.safe_load((path / ckpt.CONFIG).read_text()))
+        saved = yaml.safe_load((path / ckpt.CONFIG).read_text())
+        # Outputs of the run that wrote it are irrelevant here (and a metrics key renamed since
+        # must not make an old checkpoint unreadable): rebuild with today's metrics defaults.
+        saved.pop("metrics", None)
+        cfg = build_run_config(saved)
         meta = ckpt.read_meta(path)
-    except (OSError, ckpt.CheckpointError, yaml.YAMLError) as e:
+    except (OSError, AttributeError, ckpt.CheckpointError, yaml.YAMLError) as e:
         raise InputError(f"checkpoint {path}: {e}") from e
     return cfg, meta
 

@@ -31,8 +31,8 @@ from comera_dist.data.prepare import check_compat, evaluation_corpus
 from comera_dist.data.tokenizer import load_tokenizer
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.errors import InputError
+from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.prune import model_at_shapes
-from comera_dist.models import build_model
 from comera_dist.models.gpt import GPT
 
 IGNORE_INDEX = -100
@@ -102,7 +102,7 @@ def load_run(spec: str | Path) -> LoadedRun:
     path = locate(spec)
     cfg, meta = _read(path)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
-    model = model_at_shapes(lambda: build_model(cfg.model, cfg.comera), plans)
+    model = model_at_shapes(lambda: build_run_model(cfg), plans)
     state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in dict(model.named_buffers())]

@@ -16,8 +16,8 @@ from comera_dist.compression.accounting import compression_report
 from comera_dist.compression.groups import param_groups
 from comera_dist.config import RunConfig, resolved_dict
 from comera_dist.engine.config import solve_batch_sizes, to_deepspeed_dict
+from comera_dist.engine.model_factory import build_run_model
 from comera_dist.layers import TTEmbedding
-from comera_dist.models import build_model
 
 KINDS = ("embedding", "attention", "ffn_in", "ffn_out", "other")
 ENCODER_KINDS = ("attention", "ffn_in", "ffn_out")
@@ -42,7 +42,7 @@ def _linear_flops(model: nn.Module) -> int:
 
 def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
     """Plain-data summary of ``cfg`` on ``world_size`` ranks (JSON-ready)."""
-    model = build_model(cfg.model, cfg.comera)
+    model = build_run_model(cfg)
     report = compression_report(model)
     modules = dict(model.named_modules())
     by_kind: dict[str, dict[str, Any]] = {}

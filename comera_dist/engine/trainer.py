@@ -27,11 +27,11 @@ from comera_dist.engine.checkpoint import CheckpointError
 from comera_dist.engine.distributed import DistInfo, init_distributed
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.faults import NonFiniteInjector
+from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.run_data import RunData, build_run_data
 from comera_dist.engine.session import TrainSession
 from comera_dist.engine.signals import StopRequest
 from comera_dist.metrics import Metrics, build_metrics
-from comera_dist.models import build_model
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ class NonFiniteGuard:
 
 
 def _model_factory(cfg: RunConfig):
-    tensorize = cfg.comera.tensorize if cfg.comera.enabled else None
-    return lambda: build_model(cfg.model, tensorize)
+    return lambda: build_run_model(cfg)
 
 
 def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFiniteGuard,

@@ -91,14 +91,18 @@ while :; do
 done
 echo "pretrain.sh: training step exited with $rc"
 
-if [ -n "$STOP" ]; then
-  if [ "$rc" -ne 0 ]; then
-    echo "pretrain.sh: trainer did not stop cleanly after $STOP (rc $rc); not requeueing" >&2
-    exit "$rc"
-  fi
-  echo "pretrain.sh: checkpointed after $STOP; requeueing job $JOB_ID (resumes with --resume auto)"
-  scontrol requeue "$JOB_ID"
-  # requeue ends this batch shell; if it returns first, exit cleanly
-  exit 0
-fi
+case "$STOP" in
+  USR1)  # time-limit or preemption notice: the trainers have checkpointed; come back as the same job
+    if [ "$rc" -ne 0 ]; then
+      echo "pretrain.sh: trainer did not stop cleanly after USR1 (rc $rc); not requeueing" >&2
+      exit "$rc"
+    fi
+    echo "pretrain.sh: checkpointed after USR1; requeueing job $JOB_ID (resumes with --resume auto)"
+    scontrol requeue "$JOB_ID"
+    exit 0 ;;  # requeue ends this batch shell; if it returns first, exit cleanly
+  TERM)  # scancel, or preemption that Slurm requeues itself (PreemptMode=REQUEUE): never requeue here,
+         # a requeue would bring a cancelled job back
+    echo "pretrain.sh: stopped by SIGTERM after checkpointing (rc $rc); not requeueing"
+    exit "$rc" ;;
+esac
 exit "$rc"

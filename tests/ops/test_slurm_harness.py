@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 
 import pytest
 from conftest import REPO, requires_slurm
@@ -113,3 +114,15 @@ def test_gpu_defaults_take_gpu_count_from_slurm(slurm_2nodes, tmp_path):
     assert (info["JobState"], info["Partition"]) == ("COMPLETED", "gpu"), text
     assert "2 process(es)/node, device gpu" in text
     assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in text
+
+
+def test_scancel_stops_without_requeue(slurm_1node, tmp_path):
+    """A plain scancel (SIGTERM to every process) ends the job for good: pretrain.sh must not requeue it."""
+    job, log = _submit(slurm_1node, tmp_path, steps=400, step_s=0.05)
+    slurm_1node.wait_for_text(log, r"^step 5$", timeout=120, job_id=job)
+    slurm_1node.run("scancel", str(job))
+    info = slurm_1node.wait(job, timeout=120)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log.read_text()
+    time.sleep(3)  # a wrongly requeued job would be PENDING again by now
+    assert slurm_1node.job(job)["JobState"] == "CANCELLED"
+    assert "requeueing job" not in log.read_text() and "not requeueing" in log.read_text()

@@ -19,6 +19,7 @@ from slurmharness import cpu_overrides, free_port_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]
 CONFIG = "configs/tiny-cpu.yaml"
+STEPS = 120  # about 10 s of training at tiny-cpu's pace
 
 
 def _submit(cluster, tmp_path, *overrides: str, nodes: int = 1, nproc: int = 2):
@@ -41,19 +42,22 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
     promserver.up(tmp_path / "prom", port, sd_file)
     try:
         start = time.time()
-        job, log = _submit(slurm_1node, tmp_path, "--set", "train.steps=10", "--set", "train.eval_every=5",
-                           "--set", "train.checkpoint_every=5", "--set", f"metrics.sd_file={sd_file}",
+        # STEPS: the job must outlive a few 1 s scrapes after its target is discovered (up to 5 s
+        # after the sd file appears), or rate()-based dashboard panels have a single sample.
+        job, log = _submit(slurm_1node, tmp_path, "--set", f"train.steps={STEPS}",
+                           "--set", f"train.eval_every={STEPS // 2}", "--set", f"train.checkpoint_every={STEPS // 2}",
+                           "--set", f"metrics.sd_file={sd_file}",
                            "--set", "metrics.compression_target=2.0",
-                           # the run lasts seconds: without it the final values (step 10, its checkpoint)
+                           # the run lasts seconds: without it the final values (last step, its checkpoint)
                            # may never be scraped (file_sd changes reach the scrapers every 5 s)
                            "--set", "metrics.final_scrape_timeout_s=30")
         info = slurm_1node.wait(job, timeout=400)
         end = time.time()
         text = log.read_text()
         assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text
-        assert _steps(text, 10) == list(range(11)), text  # step 0: the initial evaluation
+        assert _steps(text, STEPS) == list(range(STEPS + 1)), text  # step 0: the initial evaluation
         ckpts = tmp_path / "run/checkpoints"
-        assert (ckpts / "latest").read_text().strip() == "step00000010"
+        assert (ckpts / "latest").read_text().strip() == f"step{STEPS:08d}"
         assert json.loads(sd_file.read_text()) == []  # target withdrawn at exit
         assert "no scrape of the final values" not in text
 
@@ -62,9 +66,9 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
 
         # compression ratio: the value the trainer printed at its last step
         (step,) = series("comera_train_step")
-        assert float(step["values"][-1][1]) == 10  # the final values were scraped
+        assert float(step["values"][-1][1]) == STEPS  # the final values were scraped
         (ratio,) = series('comera_compression_ratio{job="comera",run="run"}')
-        printed = float(re.findall(r"step 10/10 .*compression_ratio ([\d.]+)", text)[0])
+        printed = float(re.findall(rf"step {STEPS}/{STEPS} .*compression_ratio ([\d.]+)", text)[0])
         assert float(ratio["values"][-1][1]) == pytest.approx(printed, rel=1e-3)
         assert ratio["metric"]["slurm_job_id"] == str(job)
         # ranks: one series per (layer, bond), last values = the final ranks in the job's report

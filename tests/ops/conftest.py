@@ -20,6 +20,10 @@ from slurmharness import SlurmCluster, free_port_block
 NEEDS_SLURM = [b for b in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(b) is None]
 NEEDS_PROM = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
 
+# CI sets COMERA_REQUIRE_SERVICES=1: there a missing program is an install failure, never a skip.
+if os.environ.get("COMERA_REQUIRE_SERVICES") == "1" and (NEEDS_SLURM or NEEDS_PROM):
+    raise RuntimeError(f"COMERA_REQUIRE_SERVICES=1 but these programs are missing: {NEEDS_SLURM + NEEDS_PROM}")
+
 requires_slurm = pytest.mark.skipif(
     bool(NEEDS_SLURM) or os.geteuid() != 0,
     reason=f"real Slurm needs root and Debian slurmctld/slurmd/munge (missing: {NEEDS_SLURM}); "

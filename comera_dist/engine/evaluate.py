@@ -33,9 +33,9 @@ from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.prune import model_at_shapes
+from comera_dist.engine.token_stats import label_token_sums
 from comera_dist.models.gpt import GPT
 
-IGNORE_INDEX = -100
 CONSOLIDATED = "consolidated_fp32.pt"
 
 
@@ -132,18 +132,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     except DataError as e:
         raise InputError(str(e)) from e
     run = load_run(path)
-    causal = isinstance(run.model, GPT)
-    loss_sum, correct, count = 0.0, 0, 0
-    for batch in batches:
-        out = run.model(**batch)
-        logits, labels = out["logits"], batch["labels"]  # (B, T, V), (B, T)
-        if causal:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        keep = labels != IGNORE_INDEX  # (B, T)
-        n = int(keep.sum())
-        loss_sum += float(out["loss"]) * n
-        correct += int((logits.argmax(-1) == labels)[keep].sum())
-        count += n
+    loss_sum, correct, count = label_token_sums(run.model, batches, causal=isinstance(run.model, GPT))
+    count = int(count)
     return {"checkpoint": str(run.path), "loss": loss_sum / count if count else math.nan,
             "accuracy": correct / count if count else math.nan, "masked_tokens": count,
             "batches": len(batches), "blocks": len(blocks), "objective": cfg.data.objective}

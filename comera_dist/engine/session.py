@@ -35,6 +35,7 @@ from comera_dist.engine.prune import (
     prune_full_state,
     restore_optimizer_state,
 )
+from comera_dist.engine.token_stats import label_token_sums
 from comera_dist.models.gpt import GPT
 
 Batch = Mapping[str, Tensor]
@@ -220,20 +221,9 @@ class TrainSession:
         tokens (MLM: masked positions; causal: next tokens) predicted by the arg-max logit.
         """
         self.engine.eval()
-        causal = isinstance(self.module, GPT)
-        loss_sum, correct, count = 0.0, 0.0, 0.0
-        for batch in batches:
-            out = self.engine(**batch)
-            logits, labels = out["logits"], batch["labels"]  # (B, T, V), (B, T)
-            if causal:
-                logits, labels = logits[:, :-1], labels[:, 1:]
-            keep = labels != -100  # (B, T)
-            n = float(keep.sum())
-            loss_sum += float(out["loss"]) * n
-            correct += float((logits.argmax(-1) == labels)[keep].sum())
-            count += n
+        sums = label_token_sums(self.engine, batches, causal=isinstance(self.module, GPT))
         self.engine.train()
-        total = torch.tensor([loss_sum, correct, count], dtype=torch.float64)
+        total = torch.tensor(sums, dtype=torch.float64)
         dist.all_reduce(total)
         loss_sum, correct, count = total.tolist()
         if count == 0:

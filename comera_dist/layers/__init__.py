@@ -1,7 +1,8 @@
-"""comera_dist.layers: TT/TTM nn.Modules (TTLinear, TTEmbedding) over the shared TensorizedModule base."""
+"""comera_dist.layers: TT/TTM nn.Modules (TTLinear, TTEmbedding, TiedTTHead) over the shared TensorizedModule base."""
 
 from comera_dist.layers.base import TensorizedModule
 from comera_dist.layers.embedding import TTEmbedding
 from comera_dist.layers.linear import TTLinear
+from comera_dist.layers.tied_head import TiedTTHead
 
-__all__ = ["TTEmbedding", "TTLinear", "TensorizedModule"]
+__all__ = ["TTEmbedding", "TTLinear", "TensorizedModule", "TiedTTHead"]

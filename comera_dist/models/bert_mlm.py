@@ -1,9 +1,10 @@
 """BERT-like encoder with a masked-language-model head (the CodeBERT-like model of the paper).
 
 Post-LayerNorm blocks, GELU, learned positions; the head is BERT's
-``dense -> GELU -> LayerNorm -> decoder``. With a dense word table and
-``tie_word_embeddings`` the decoder shares it; with a TT (TTM) table there is no
-table to share, so the decoder is its own dense ``Linear`` (documented, not hidden).
+``dense -> GELU -> LayerNorm -> decoder``. With ``tie_word_embeddings`` the decoder is the word
+table: a dense ``Linear`` sharing an ``nn.Embedding``'s weight, or, with a TT (TTM) table, a
+``TiedTTHead`` computing ``h E^T`` from the embedding's cores and gates (never building E); its
+bias stays dense. Untied, the decoder is its own dense ``Linear``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ from torch import Tensor, nn
 
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
-from comera_dist.models.factory import TensorizeSpec
+from comera_dist.models.factory import TensorizeSpec, make_output_head
 
 
 class MLMHead(nn.Module):
     """``decoder(LN(gelu(dense(h))))``: (B, T, C) -> (B, T, V)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, word: nn.Module):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.decoder = nn.Linear(cfg.hidden_size, cfg.vocab_size)
-        for lin in (self.dense, self.decoder):
-            nn.init.normal_(lin.weight, std=cfg.init_std)
-            nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.dense.weight, std=cfg.init_std)
+        nn.init.zeros_(self.dense.bias)
+        self.decoder = make_output_head(word, tie=cfg.tie_word_embeddings, bias=True, init_std=cfg.init_std)
 
     def forward(self, h: Tensor) -> Tensor:
         return self.decoder(self.norm(F.gelu(self.dense(h))))  # (B, T, V)
@@ -40,9 +40,7 @@ class BertMLM(nn.Module):
         self.config = cfg
         self.embeddings = BertEmbeddings(cfg, spec)
         self.blocks = nn.ModuleList(PostLNBlock(cfg, spec) for _ in range(cfg.num_layers))
-        self.head = MLMHead(cfg)
-        if cfg.tie_word_embeddings and isinstance(self.embeddings.word, nn.Embedding):
-            self.head.decoder.weight = self.embeddings.word.weight  # (V, C) shared
+        self.head = MLMHead(cfg, self.embeddings.word)  # decoder tied to the word table (dense or TTM)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> dict[str, Tensor | None]:

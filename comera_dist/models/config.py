@@ -39,8 +39,10 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal init of dense weights and tables."""
     tie_word_embeddings: bool = True
-    """Share the LM head weight with a *dense* word embedding. A TT embedding has no table to
-    share, so with a tensorized embedding the head is always its own dense ``Linear``."""
+    """Tie the MLM decoder / LM head to the word embedding (``bert_mlm``, ``gpt``): a dense head shares
+    a dense table's weight; with a TTM embedding the head (``layers.TiedTTHead``) computes ``h E^T``
+    from the embedding's cores and gates, so the whole model has no dense ``V x C`` matrix left.
+    False: the head is its own dense ``Linear``."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

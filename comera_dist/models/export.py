@@ -5,6 +5,8 @@ and calls ``save_pretrained``; ``AutoModelFor...from_pretrained(out_dir)`` then 
 same logits. Our archs map one to one onto HF classes:
 ``bert_mlm -> BertForMaskedLM``, ``six_encoder_cls -> BertForSequenceClassification``,
 ``gpt -> GPT2LMHeadModel`` (Q, K, V concatenated into ``c_attn``, weights transposed for ``Conv1D``).
+A head tied to the word table (dense, or a ``TiedTTHead`` on a TTM table) exports as a standard tied
+model (``tie_word_embeddings=True``, one densified table).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
 from comera_dist.models.atomic import atomic_dir
 from comera_dist.models.bert_mlm import BertMLM
 from comera_dist.models.config import ModelConfig
@@ -50,7 +52,7 @@ def to_hf(model: nn.Module) -> PreTrainedModel:
         state = _bert_trunk(model, "bert.")
         state.update(_linear(model.head.dense, "cls.predictions.transform.dense."))
         state.update(_norm(model.head.norm, "cls.predictions.transform.LayerNorm."))
-        state["cls.predictions.decoder.weight"] = model.head.decoder.weight
+        state["cls.predictions.decoder.weight"] = _head_weight(model.head.decoder)
         state["cls.predictions.decoder.bias"] = model.head.decoder.bias
         state["cls.predictions.bias"] = model.head.decoder.bias
     elif isinstance(model, SixEncoderClassifier):
@@ -65,8 +67,16 @@ def to_hf(model: nn.Module) -> PreTrainedModel:
     return hf.to(_dtype_of(model)).eval()
 
 
-def _tied(head: nn.Linear, word: nn.Module) -> bool:
+def _tied(head: nn.Module, word: nn.Module) -> bool:
+    """Whether the head is the word table: a shared dense weight, or a ``TiedTTHead`` on this TTM table."""
+    if isinstance(head, TiedTTHead):
+        return head.embedding is word
     return isinstance(word, nn.Embedding) and head.weight is word.weight
+
+
+def _head_weight(head: nn.Module) -> Tensor:
+    """The head's dense ``(V, C)`` weight (a ``TiedTTHead``'s is its embedding's masked table)."""
+    return head.dense_weight() if isinstance(head, TiedTTHead) else head.weight
 
 
 def _bert_config(cfg: ModelConfig, *, tied: bool) -> BertConfig:
@@ -111,7 +121,7 @@ def _bert_trunk(model: BertMLM | SixEncoderClassifier, p: str) -> dict[str, Tens
 
 def _gpt2_state(model: GPT) -> dict[str, Tensor]:
     state = {"transformer.wte.weight": _table(model.word), "transformer.wpe.weight": model.position.weight,
-             "lm_head.weight": model.lm_head.weight}
+             "lm_head.weight": _head_weight(model.lm_head)}
     state.update(_norm(model.norm, "transformer.ln_f."))
     for i, blk in enumerate(model.blocks):
         q = f"transformer.h.{i}."

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 
 from torch import nn
 
-from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
 
 LinearKind = Literal["attention", "ffn_in", "ffn_out"]
 FULL_RANK = 1 << 30
@@ -114,6 +114,30 @@ def make_embedding(spec: TensorizeSpec | None, num_embeddings: int, embedding_di
                        num_cores=spec.embedding_num_cores, max_rank=spec.embedding_max_rank)
 
 
+def make_output_head(word: nn.Module, *, tie: bool, bias: bool, init_std: float = 0.02) -> nn.Module:
+    """The output projection ``(..., C) -> (..., V)`` over the word table ``word`` (V x C).
+
+    ``tie`` with a ``TTEmbedding``: a ``TiedTTHead`` computing ``h E^T`` from the embedding's own cores
+    and gates; ``tie`` with an ``nn.Embedding``: an ``nn.Linear`` sharing its weight; otherwise a dense
+    ``nn.Linear`` of its own (normal init). A bias, if any, is dense and zero-initialized.
+    """
+    if isinstance(word, TTEmbedding):
+        vocab, width = word.num_embeddings, word.embedding_dim
+    elif isinstance(word, nn.Embedding):
+        vocab, width = word.num_embeddings, word.embedding_dim
+    else:
+        raise ValueError(f"word must be a TTEmbedding or nn.Embedding, got {type(word).__name__}")
+    if tie and isinstance(word, TTEmbedding):
+        return TiedTTHead(word, bias=bias)
+    if tie:
+        head = nn.Linear(width, vocab, bias=bias, dtype=word.weight.dtype, device=word.weight.device)
+        head.weight = word.weight  # (V, C) shared
+        if bias:
+            nn.init.zeros_(head.bias)
+        return head
+    return _dense_linear(width, vocab, bias, init_std)
+
+
 def tt_from_linear(linear: nn.Linear, spec: TensorizeSpec, kind: LinearKind, *,
                    max_rank: int | None = None) -> TTLinear:
     """TT-SVD of a dense ``nn.Linear`` (weight ``(out, in)``) to ``max_rank`` (default ``spec.max_rank``)."""
@@ -152,4 +176,4 @@ def _prod(values: Sequence[int]) -> int:
 
 
 __all__ = ["FULL_RANK", "TensorizeSpec", "check_modes_used", "explicit_modes", "is_tensorized",
-           "make_embedding", "make_linear", "tt_from_embedding", "tt_from_linear"]
+           "make_embedding", "make_linear", "make_output_head", "tt_from_embedding", "tt_from_linear"]

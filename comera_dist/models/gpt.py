@@ -2,8 +2,8 @@
 
 The next-token shift happens inside ``forward``: ``labels`` are the input ids
 (-100 where no loss is wanted), logits at position t predict label t+1.
-The LM head shares a dense word table when ``tie_word_embeddings``; with a TT
-table it is its own dense ``Linear``.
+With ``tie_word_embeddings`` the LM head is the word table: a ``Linear`` sharing a dense table, or a
+``TiedTTHead`` computing ``h E^T`` from a TTM table's cores and gates; untied, its own dense ``Linear``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
 from comera_dist.models.config import ModelConfig
-from comera_dist.models.factory import TensorizeSpec, make_embedding
+from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
 
 
 class PreLNBlock(nn.Module):
@@ -46,11 +46,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(PreLNBlock(cfg, spec) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings and isinstance(self.word, nn.Embedding):
-            self.lm_head.weight = self.word.weight  # (V, C) shared
-        else:
-            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.lm_head = make_output_head(self.word, tie=cfg.tie_word_embeddings, bias=False, init_std=cfg.init_std)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None) -> dict[str, Tensor | None]:

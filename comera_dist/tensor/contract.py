@@ -167,3 +167,52 @@ def ttm_lookup_naive(ids: Tensor, cores: list[Tensor], masks: list[Tensor] | Non
         s = F.embedding(digits[k], slices).view(T, c.shape[0], -1)  # (T, r, n*r'): this token's slice
         z = torch.bmm(z, s).view(T, -1, c.shape[3])  # (T, P*n, r')
     return z.reshape(T, -1)  # (T, prod n)
+
+
+# --------------------------------------------------------------------------------------------
+# Tied output head: logits = h E^T from the TTM cores (orders costed in ``tensor.cost``).
+# --------------------------------------------------------------------------------------------
+
+
+def ttm_head_halves(cores: list[Tensor], masks: list[Tensor] | None, split: int) -> tuple[Tensor, Tensor]:
+    """The TTM cut at bond ``split`` into ``left (M_L, N_L, r)`` and ``right (r, M_R, N_R)``.
+
+    Cores ``[0, split)`` form ``left`` (with the mask of the cut bond folded in), the rest
+    ``right``; ``ttm_pair_contract`` is the case ``split = ttm_split(D)``.
+    """
+    D = len(cores)
+    if not 1 <= split < D:
+        raise ValueError(f"split must lie in [1, {D - 1}] for {D} cores, got {split}")
+    left = _ttm_chain(cores[:split], None if masks is None else masks[:split])[0]  # (M_L, N_L, r)
+    right = _ttm_chain(cores[split:], None if masks is None else masks[split:])[..., 0]  # (r, M_R, N_R)
+    return left, right
+
+
+def ttm_head_contract(h: Tensor, left: Tensor, right: Tensor, side: str) -> Tensor:
+    """``h @ E^T`` for ``E = left . right`` without building E; h: (T, N_L*N_R) -> (T, M_L*M_R).
+
+    side ``"left"``: contract h with ``left`` first (keeps ``(T, M_L, r*N_R)``); ``"right"``: with
+    ``right`` first (keeps ``(T, N_L*r, M_R)``). Both are two GEMMs (see ``cost.ttm_head_costs``).
+    """
+    ML, NL, r = left.shape
+    MR, NR = right.shape[1], right.shape[2]
+    T = h.shape[0]
+    if h.shape[-1] != NL * NR:
+        raise ValueError(f"h must have {NL * NR} columns (the embedding width), got shape {tuple(h.shape)}")
+    if side == "left":
+        lw = left.permute(0, 2, 1).reshape(ML * r, NL)  # (M_L*r, N_L)
+        x = torch.matmul(lw, h.reshape(T, NL, NR))  # (T, M_L*r, N_R)
+        rw = right.permute(0, 2, 1).reshape(r * NR, MR)  # (r*N_R, M_R)
+        return torch.matmul(x.reshape(T, ML, r * NR), rw).reshape(T, ML * MR)  # (T, M)
+    if side == "right":
+        rw = right.permute(2, 0, 1).reshape(NR, r * MR)  # (N_R, r*M_R)
+        y = h.reshape(T * NL, NR) @ rw  # (T*N_L, r*M_R)
+        lw = left.reshape(ML, NL * r)  # (M_L, N_L*r)
+        return torch.matmul(lw, y.reshape(T, NL * r, MR)).reshape(T, ML * MR)  # (T, M)
+    raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+
+
+def ttm_head_dense(h: Tensor, cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
+    """The reference ``h @ E^T`` through the full (padded) table ``E (M, N)``; h: (T, N) -> (T, M)."""
+    E = _ttm_chain(cores, masks)[0, :, :, 0]  # (M, N)
+    return h @ E.t()

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from comera_dist.tensor.accounting import tt_dense_flops, tt_lr_flops, tt_sequential_flops
+from comera_dist.tensor.accounting import chain_flops, tt_dense_flops, tt_lr_flops, tt_sequential_flops
 
 ORDERS: tuple[str, ...] = ("lr", "sequential", "dense")
 
@@ -111,3 +111,90 @@ def choose_order(tokens: int, in_modes: list[int], out_modes: list[int], ranks: 
     choose = _choose.__wrapped__ if torch.compiler.is_compiling() else _choose  # dynamo skips lru_cache
     return choose(int(tokens), tuple(in_modes), tuple(out_modes), tuple(ranks), bytes_per_element,
                    float(flops_per_byte), memory_budget)
+
+
+# --------------------------------------------------------------------------------------------
+# Tied output head: logits = h E^T straight from the TTM cores of the embedding E.
+# --------------------------------------------------------------------------------------------
+#
+# Split the cores at bond c into a left half ``Lc (M_L, N_L, r_c)`` and a right half
+# ``Rc (r_c, M_R, N_R)`` (both batch-independent, built once per step), then contract the tokens
+# ``h (T, N_L, N_R)`` with one half first:
+#
+# - ``split{c}_left``:  X = h Lc  (T, M_L, r_c, N_R),  2 T N M_L r_c;  logits = X Rc, 2 T M N_R r_c
+# - ``split{c}_right``: Y = h Rc  (T, N_L, r_c, M_R),  2 T N M_R r_c;  logits = Lc Y, 2 T M N_L r_c
+#
+# (M = M_L M_R the padded vocabulary). The second GEMM is where the vocabulary is paid for, at
+# ``2 M r_c x (the column modes left on the other side)`` per token, so the cheapest split puts few
+# column modes and many row modes on one end. ``dense`` (build E, one GEMM: ``2 T M N``) is costed for
+# comparison only: the head is meant never to build the table, so ``choose_ttm_head_order`` skips it
+# unless ``allow_dense``.
+
+
+def ttm_head_orders(num_cores: int) -> tuple[str, ...]:
+    """Every order name of the tied head for a TTM of ``num_cores`` cores (``dense`` last)."""
+    if num_cores < 2:
+        raise ValueError(f"num_cores must be >= 2 for a TTM, got {num_cores}")
+    return tuple(f"split{c}_{side}" for c in range(1, num_cores) for side in ("left", "right")) + ("dense",)
+
+
+def parse_ttm_head_order(name: str, num_cores: int) -> tuple[int, str]:
+    """``"split{c}_{left|right}"`` -> ``(c, side)``; ``dense`` -> ``(0, "dense")``; else ``ValueError``."""
+    if name not in ttm_head_orders(num_cores):
+        raise ValueError(f"order must be 'auto' or one of {list(ttm_head_orders(num_cores))}, got {name!r}")
+    if name == "dense":
+        return 0, "dense"
+    split, side = name[len("split"):].split("_")
+    return int(split), side
+
+
+def ttm_head_costs(tokens: int, row_modes: list[int], col_modes: list[int], ranks: list[int], *,
+                   bytes_per_element: int = 4, flops_per_byte: float = 4.0) -> dict[str, Order]:
+    """Predicted forward FLOPs and saved bytes of every order of ``h (tokens, N) @ E^T (N, M)``.
+
+    ranks: the full profile ``[1, r_1, ..., r_{D-1}, 1]``. FLOPs include the batch-independent
+    builds of the halves (``chain_flops`` on the ``m_k n_k`` modes); saved bytes count the per-token
+    intermediate each order keeps for backward plus the halves (the input ``h`` is not counted).
+    """
+    D = len(row_modes)
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if D < 2 or len(col_modes) != D:
+        raise ValueError(f"row_modes {list(row_modes)} and col_modes {list(col_modes)} must be of equal length >= 2")
+    if len(ranks) != D + 1:
+        raise ValueError(f"ranks {list(ranks)} must have length {D + 1}")
+    modes = [m * n for m, n in zip(row_modes, col_modes)]
+    M, N = math.prod(row_modes), math.prod(col_modes)
+    flops: dict[str, int] = {}
+    elems: dict[str, int] = {}
+    for c in range(1, D):
+        r = ranks[c]
+        ML, MR = math.prod(row_modes[:c]), math.prod(row_modes[c:])
+        NL, NR = math.prod(col_modes[:c]), math.prod(col_modes[c:])
+        build = chain_flops(modes[:c], ranks[:c + 1]) + chain_flops(modes[c:], ranks[c:])
+        halves = ML * NL * r + r * MR * NR
+        flops[f"split{c}_left"] = build + tokens * 2 * r * (N * ML + M * NR)
+        elems[f"split{c}_left"] = halves + tokens * ML * r * NR
+        flops[f"split{c}_right"] = build + tokens * 2 * r * (N * MR + M * NL)
+        elems[f"split{c}_right"] = halves + tokens * NL * r * MR
+    flops["dense"] = chain_flops(modes, ranks) + tokens * 2 * M * N
+    elems["dense"] = M * N
+    out = {}
+    for name in ttm_head_orders(D):
+        b = elems[name] * bytes_per_element
+        out[name] = Order(name=name, flops=flops[name], saved_bytes=b, score=flops[name] + flops_per_byte * b)
+    return out
+
+
+def choose_ttm_head_order(tokens: int, row_modes: list[int], col_modes: list[int], ranks: list[int], *,
+                          allow_dense: bool = False, bytes_per_element: int = 4,
+                          flops_per_byte: float = 4.0) -> Order:
+    """The cheapest tied-head order by ``ttm_head_costs``' score (ties go to the earlier split)."""
+    costs = ttm_head_costs(tokens, row_modes, col_modes, ranks, bytes_per_element=bytes_per_element,
+                           flops_per_byte=flops_per_byte)
+    best: Order | None = None
+    for name, o in costs.items():  # a plain loop: torch.compile traces it without a graph break
+        if (allow_dense or name != "dense") and (best is None or o.score < best.score):
+            best = o
+    assert best is not None
+    return best

@@ -1,23 +1,32 @@
-"""Sharded DeepSpeed checkpoints with atomic publication, a completeness marker and ``resume auto``.
+"""Sharded DeepSpeed checkpoints: atomic publication, a verified manifest, safe retention, ``resume auto``.
 
 Layout under ``<output_dir>/checkpoints``::
 
     step00000012/            one published checkpoint (DeepSpeed's per-rank files)
-        comera_meta.json     shapes (pruning plans), config identity, step: read BEFORE the engine exists
+        comera_meta.json     shapes (pruning plans), config identity, step, world size, ZeRO stage
+        comera_full_state.pt full fp32 weights + AdamW moments + schedule (elastic resume, see session)
         config.yaml          the resolved run config
-        COMPLETE             written last, before the rename: the checkpoint is whole
-    latest                   the tag of the newest complete checkpoint (DeepSpeed's format)
+        COMPLETE             the manifest (every file, size, sha256), written last: the checkpoint is whole
+    latest                   the tag of the newest complete, verified checkpoint (DeepSpeed's format)
 
 All ranks call ``engine.save_checkpoint`` under a temporary tag ``.tmp-<tag>``; after a
-barrier, rank 0 adds the side files and the marker, renames the directory to its final tag
-and replaces ``latest`` through a temporary file + ``os.replace``. A crash at any point
-leaves ``latest`` on the previous complete checkpoint; leftovers of temporary tags are
-ignored by ``resume auto`` and removed by the next save.
+barrier, rank 0 adds the side files, the ranks hash a share of the files each, rank 0 writes
+the manifest and renames the directory to its final tag; then the ranks re-verify the
+published files against the manifest, and only a verified checkpoint moves ``latest`` and lets
+retention delete older ones. A crash at any point leaves ``latest`` on the previous complete
+checkpoint; leftovers of temporary tags are ignored by ``resume auto`` and removed by the next save.
+
+Resume (``choose``): every rank verifies the files it will read (all of them: DeepSpeed reads
+every ZeRO shard on every rank) before anything unpickles a byte, and the verdicts are
+all-gathered so the ranks agree. ``auto`` walks back from the newest checkpoint to the first
+that verifies, logging each one it skips and why; an explicit path that fails is an error
+naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,20 +40,29 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-MARKER = "COMPLETE"
+from comera_dist.engine import manifest
+from comera_dist.engine.manifest import MARKER
+
+log = logging.getLogger(__name__)
+
 META = "comera_meta.json"
 CONFIG = "config.yaml"
+FULL_STATE = "comera_full_state.pt"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 _TAG = re.compile(r"^step(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or incompatible with this run; the message says which and why."""
+    """A checkpoint is missing, incomplete, corrupt or incompatible with this run; the message says which and why."""
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    return int(_TAG.match(Path(path).name).group(1))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -64,48 +82,90 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: dict[str, Any],
-         resolved_config: dict[str, Any], keep: int, before_publish=None) -> Path:
-    """Save a checkpoint of ``engine`` at ``step`` (collective) and publish it atomically; returns its dir.
+def _agree(problems: list[str]) -> list[str]:
+    """Every rank's problems, all-gathered (collective): the same sorted verdict on every rank."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for ps in everyone for p in ps})
 
-    ``before_publish`` (tests): called on rank 0 after every rank has written, before the marker.
+
+def _my_share(names: list[str]) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return names[rank::world]
+
+
+def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: dict[str, Any],
+         resolved_config: dict[str, Any], keep: int, keep_every: int = 0, full_state: dict[str, Any] | None = None,
+         retain: bool = True, before_publish=None) -> Path:
+    """Save a checkpoint of ``engine`` at ``step`` (collective), publish and verify it; returns its dir.
+
+    ``full_state`` (plain tensors/data, rank 0's copy is written) is the consolidated state that
+    elastic resume loads. ``retain=False`` publishes without deleting any older checkpoint.
+    ``before_publish`` (tests): called on rank 0 after every file is written, before the manifest.
+    Raises ``CheckpointError`` if the published files do not match their manifest (``latest`` and
+    older checkpoints are then left as they were).
     """
     root = Path(root)
     tag = tag_for(step)
-    tmp_tag = TMP_PREFIX + tag
+    tmp_dir, final = root / (TMP_PREFIX + tag), root / tag
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(root / tmp_tag, ignore_errors=True)  # a crashed earlier attempt
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # a crashed earlier attempt
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
-    dist.barrier()  # every rank's shards are on disk
-    final = root / tag
+    engine.save_checkpoint(str(root), tag=tmp_dir.name, client_state=client_state, save_latest=False)
     if rank == 0:
-        tmp_dir = root / tmp_tag
         (tmp_dir / META).write_text(json.dumps({**meta, "step": step, "tag": tag}, indent=2))
         (tmp_dir / CONFIG).write_text(yaml.safe_dump(resolved_config, sort_keys=False))
+        if full_state is not None:
+            torch.save(full_state, tmp_dir / FULL_STATE)
+    dist.barrier()  # every rank's shards and the side files are on disk
+    names = manifest.checkpoint_files(tmp_dir)  # the same list on every rank (shared file system)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, manifest.describe(tmp_dir, _my_share(names)))
+    if rank == 0:
         if before_publish is not None:
             before_publish(tmp_dir)
-        _write_atomic(tmp_dir / MARKER, f"{tag}\n")
+        files = {k: v for part in parts for k, v in part.items()}
+        _write_atomic(tmp_dir / MARKER, manifest.render(tag, files))
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.rename(tmp_dir, final)
         _fsync_dir(root)
+    dist.barrier()
+    # Read the published files back against the manifest before anything older may go.
+    problems = _agree(manifest.verify(final, manifest.read(final), _my_share(names)))
+    if problems:
+        raise CheckpointError(f"checkpoint {final} does not match its manifest after saving; `latest` and older "
+                              "checkpoints are kept:\n  " + "\n  ".join(problems))
+    if rank == 0:
         _write_atomic(root / LATEST, tag)
         _fsync_dir(root)
-        _remove_old(root, keep)
+        if retain:
+            remove_old(root, keep, keep_every)
     dist.barrier()
     return final
 
 
-def _remove_old(root: Path, keep: int) -> None:
-    done = complete_checkpoints(root)
-    for path in done[:-keep]:
+def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep``, sparing every ``keep_every``-th step
+    and whatever ``latest`` names; remove leftover temporary tags. Returns what was deleted.
+
+    Called only after the newest checkpoint was published and verified.
+    """
+    root = Path(root)
+    pointer = root / LATEST
+    protected = {pointer.read_text().strip()} if pointer.is_file() else set()
+    removed = []
+    for path in complete_checkpoints(root)[:-keep]:
+        if path.name in protected or (keep_every > 0 and step_of(path) % keep_every == 0):
+            continue
         shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     for path in root.glob(TMP_PREFIX + "*"):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def is_complete(path: Path) -> bool:
@@ -118,23 +178,81 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and is_complete(p)]
-    return sorted(found, key=lambda p: int(_TAG.match(p.name).group(1)))
+    return sorted(found, key=step_of)
 
 
 def latest_complete(root: Path) -> Path | None:
     """The checkpoint ``latest`` names if it is complete, else the newest complete one, else None."""
+    done = candidates_auto(root)
+    return done[0] if done else None
+
+
+def candidates_auto(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads)."""
     root = Path(root)
+    done = complete_checkpoints(root)[::-1]
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
-        if is_complete(named):
-            return named
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
+        if named in done:
+            done.remove(named)
+            done.insert(0, named)
+    return done
+
+
+def check(path: Path) -> list[str]:
+    """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
+
+    [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
+    """
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        return [f"{path / MARKER}: missing (the save was interrupted before publication)"]
+    try:
+        found = manifest.read(path)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    if found == manifest.LEGACY:
+        log.warning("checkpoint %s was written before checkpoint manifests: its files cannot be verified", path)
+        return [] if (path / META).is_file() else [f"{path / META}: missing"]
+    return manifest.verify(path, found)
+
+
+def choose(spec: str, root: Path) -> Path | None:
+    """The checkpoint to resume from, verified on every rank (collective); None for a fresh start.
+
+    ``none`` -> None. ``auto`` -> the newest checkpoint under ``root`` that verifies on every rank
+    (each skipped one is logged with its reasons), or None. A path -> that checkpoint (or, for a
+    checkpoints root, ``auto`` inside it); a path that fails verification raises ``CheckpointError``
+    naming the file.
+    """
+    if spec == "none":
+        return None
+    path = Path(spec)
+    if spec != "auto" and path.is_dir() and not is_complete(path) and candidates_auto(path):
+        spec, root = "auto", path  # a checkpoints root was given
+    if spec == "auto":
+        for candidate in candidates_auto(root):
+            problems = _agree(check(candidate))
+            if not problems:
+                return candidate
+            if dist.get_rank() == 0:
+                log.warning("resume auto: skipping checkpoint %s, it does not verify:\n  %s", candidate,
+                            "\n  ".join(problems))
+        return None
+    if not path.is_dir():
+        raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
+    problems = _agree(check(path))
+    if problems:
+        raise CheckpointError(f"resume: checkpoint {path} fails verification:\n  " + "\n  ".join(problems))
+    if not (path / META).is_file():
+        raise CheckpointError(f"resume: {path} is not a complete checkpoint (no {META})")
+    return path
 
 
 def resolve(spec: str, root: Path) -> Path | None:
-    """``none`` -> None; ``auto`` -> the latest complete checkpoint under ``root`` (or None); else that path."""
+    """Rank-local, unverified lookup (no collective): ``none`` -> None; ``auto`` -> the latest complete
+    checkpoint under ``root`` (or None); else that path, which must be complete. ``choose`` verifies."""
     if spec == "none":
         return None
     if spec == "auto":
@@ -170,6 +288,15 @@ def verify_weights_only(path: Path) -> None:
             except Exception as e:
                 raise CheckpointError(f"{shard} does not load with weights_only=True (unexpected pickled "
                                       f"objects?): {str(e).splitlines()[0]}") from e
+
+
+def read_full_state(path: Path) -> dict[str, Any]:
+    """The consolidated state of checkpoint ``path`` (``weights_only``); an error naming the file if absent."""
+    file = Path(path) / FULL_STATE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: checkpoint {path} predates elastic resume and can only be "
+                              "loaded with the world size and ZeRO stage that wrote it")
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

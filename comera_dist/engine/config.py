@@ -25,14 +25,19 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints; 0 checkpoints only at the end (>= 0)."""
     keep_checkpoints: int = 2
-    """Complete checkpoints kept on disk; older ones are deleted after a new one is published (>= 1)."""
+    """Newest complete checkpoints kept on disk; older ones are deleted only after a newer one is
+    published and verified against its manifest (>= 1)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this, whatever ``keep_checkpoints``
+    says (0 = off, >= 0)."""
     output_dir: str = "runs/default"
     """Run directory: checkpoints under ``<output_dir>/checkpoints``, logs and the report beside them."""
     seed: int = 0
     """Seed of torch, python and numpy RNGs (the same on every rank; data sharding uses the rank)."""
     resume: str = "auto"
-    """``auto``: the latest complete checkpoint under the output dir, if any; ``none``: start fresh;
-    anything else: the path of one checkpoint directory (a published tag)."""
+    """``auto``: the newest checkpoint under the output dir that verifies against its manifest, if any
+    (corrupt ones are skipped and logged); ``none``: start fresh; anything else: the path of one
+    checkpoint directory (a published tag), which must verify. Any world size or ZeRO stage."""
     max_nonfinite_steps: int = 3
     """K: the run stops (with a checkpoint of the last good state) after K consecutive steps whose
     global loss is not finite; each such step is skipped and counted (>= 1)."""
@@ -45,7 +50,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("checkpoint_every", 0),
-                          ("keep_checkpoints", 1), ("max_nonfinite_steps", 1), ("log_every", 1)):
+                          ("keep_checkpoints", 1), ("keep_every", 0), ("max_nonfinite_steps", 1), ("log_every", 1)):
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"train.{name} must be >= {low}, got {value}")

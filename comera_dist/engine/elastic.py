@@ -1,0 +1,87 @@
+"""Elastic resume: the consolidated training state every checkpoint carries, and seeding an engine from it.
+
+Why not DeepSpeed's universal checkpoint: ``ds_to_universal`` is an offline conversion step
+(a separate multi-process tool run between jobs, which a Slurm requeue does not do), 0.19.8
+converts ZeRO 1/2 checkpoints and needs ``universal_checkpoint_info`` in the client state,
+and ``load_universal`` is an engine-construction flag, so the loader would have to know the
+checkpoint's format before building the engine. The route below is the one pruning already
+takes on every prune (``engine/prune.py``): full fp32 weights and AdamW moments gathered through
+DeepSpeed's ``safe_get_*`` API, loaded into a model at the saved shapes, a fresh engine built
+for *this* job's world size and ZeRO stage, moments and step count written back through
+``safe_set_*``. It works for ZeRO 0-3 in both directions, needs no conversion, and its state
+is also where the non-finite check looks (one gather serves both).
+
+The cost is one gather per save and a file of ~3x the fp32 parameters (weights + two moments):
+small for CoMERA's compressed models; the soak benchmark measures the save time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from comera_dist.engine.prune import FullState, gather_full_state
+
+
+def _cpu(d: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().cpu() for k, v in d.items()}
+
+
+def consolidate(engine, client: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The consolidated state of ``engine`` (collective) and the names of its non-finite tensors.
+
+    The payload is plain tensors and data (loads with ``weights_only=True``): ``params``,
+    ``buffers``, ``moments`` (name -> {exp_avg, exp_avg_sq}), ``step`` (AdamW's), ``scheduler``
+    (the LR scheduler's state dict or None), ``global_steps``, ``global_samples`` and ``client``
+    (the CoMERA client state, which DeepSpeed keeps inside its own shards).
+    """
+    state = gather_full_state(engine)
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    payload = {"params": _cpu(state.params), "buffers": _cpu(state.buffers),
+               "moments": {n: _cpu(m) for n, m in state.moments.items()}, "step": state.step,
+               "scheduler": sched, "global_steps": int(engine.global_steps),
+               "global_samples": int(engine.global_samples), "client": client}
+    return payload, nonfinite_entries(payload)
+
+
+def nonfinite_entries(payload: dict[str, Any]) -> list[str]:
+    """Names of the parameters and optimizer moments holding a NaN or an infinity (``name`` or ``name.exp_avg``)."""
+    bad = [n for n, t in payload["params"].items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    for name, moments in payload["moments"].items():
+        bad += [f"{name}.{k}" for k, t in moments.items() if not bool(torch.isfinite(t).all())]
+    return sorted(set(bad))
+
+
+def full_state(payload: dict[str, Any], device: torch.device) -> FullState:
+    """``payload``'s tensors as the ``FullState`` that ``prune.load_full_state``/``restore_optimizer_state`` take."""
+    return FullState(params={k: v.to(device) for k, v in payload["params"].items()},
+                     buffers={k: v.to(device) for k, v in payload["buffers"].items()},
+                     moments={n: {k: v.to(device) for k, v in m.items()} for n, m in payload["moments"].items()},
+                     step=int(payload["step"]))
+
+
+def restore_schedule(engine, payload: dict[str, Any]) -> None:
+    """The LR schedule position and DeepSpeed's step/sample counters of ``payload`` into ``engine``."""
+    sched = payload["scheduler"]
+    if sched is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(sched)
+        # A fresh scheduler wrote its initial lrs into the groups: re-apply the saved position.
+        engine.lr_scheduler.step(sched["last_batch_iteration"])
+    engine.global_steps = payload["global_steps"]
+    engine.global_samples = payload["global_samples"]
+
+
+def rank_entry(entries: list[Any], rank: int) -> Any:
+    """This rank's entry of a per-rank list saved by a job of possibly another size (rank 0's for new ranks).
+
+    Only used for values that are the same on every rank (the data position is global) or for
+    which any rank's value is valid (RNG states).
+    """
+    return entries[rank] if rank < len(entries) else entries[0]
+
+
+def describe_move(meta: dict[str, Any], world_size: int, zero_stage: int) -> str:
+    return (f"{meta['world_size']} rank(s) at ZeRO {meta.get('zero_stage')} -> {world_size} rank(s) at ZeRO "
+            f"{zero_stage}")

@@ -1,0 +1,94 @@
+"""The checkpoint manifest: every file of a checkpoint with its size and digest, and its verification.
+
+The ``COMPLETE`` marker of a checkpoint holds the manifest (JSON)::
+
+    {"format": 1, "tag": "step00000012", "algorithm": "sha256",
+     "files": {"mp_rank_00_model_states.pt": {"size": 12345, "digest": "ab12..."}, ...}}
+
+It is written last, so a marker means the checkpoint is whole, and its digests mean each
+byte can be checked before anything unpickles it. A marker that is not JSON is a checkpoint
+written before the manifest existed: it loads, but cannot be verified (``LEGACY``).
+Digests are sha256 (stdlib, releases the GIL, ~1-2 GB/s per core); the save-time cost is
+measured by ``python -m comera_dist.bench soak``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MARKER = "COMPLETE"
+FORMAT = 1
+ALGORITHM = "sha256"
+LEGACY = "legacy"
+_CHUNK = 1 << 20
+
+
+def digest(path: Path, algorithm: str = ALGORITHM) -> str:
+    """Hex digest of the file at ``path``, read in 1 MiB chunks."""
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[str]:
+    """Every regular file under ``ckpt_dir`` except the marker, as sorted relative POSIX paths."""
+    ckpt_dir = Path(ckpt_dir)
+    return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
+                  if p.is_file() and p.name != MARKER)
+
+
+def describe(ckpt_dir: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "digest"}}`` for ``names`` (relative to ``ckpt_dir``), read from disk."""
+    return {n: {"size": (Path(ckpt_dir) / n).stat().st_size, "digest": digest(Path(ckpt_dir) / n)} for n in names}
+
+
+def render(tag: str, files: dict[str, dict[str, Any]]) -> str:
+    """The marker's text for ``files`` (as ``describe`` returns them)."""
+    return json.dumps({"format": FORMAT, "tag": tag, "algorithm": ALGORITHM,
+                       "files": dict(sorted(files.items()))}, indent=1) + "\n"
+
+
+def read(ckpt_dir: Path) -> dict[str, Any] | str:
+    """The manifest of ``ckpt_dir`` as a dict, or ``LEGACY`` for a pre-manifest marker.
+
+    Raises ``FileNotFoundError`` without a marker and ``ValueError`` for a damaged one (a marker
+    that parses as JSON but lacks the fields, or starts like JSON and does not parse).
+    """
+    text = (Path(ckpt_dir) / MARKER).read_text(encoding="utf-8", errors="replace")
+    if not text.lstrip().startswith("{"):
+        return LEGACY  # "<tag>\n": written before the manifest
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{Path(ckpt_dir) / MARKER}: damaged manifest ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or "algorithm" not in data:
+        raise ValueError(f"{Path(ckpt_dir) / MARKER}: manifest lacks 'files' or 'algorithm'")
+    return data
+
+
+def verify(ckpt_dir: Path, manifest: dict[str, Any], names: Iterable[str] | None = None) -> list[str]:
+    """Problems found checking ``names`` (default: every file of ``manifest``); [] when all match.
+
+    Each problem names the file and says what is wrong: missing, wrong size, wrong digest.
+    Sizes are checked before digests, so a truncated shard costs no read.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    files = manifest["files"]
+    problems = []
+    for name in sorted(files if names is None else names):
+        path, want = ckpt_dir / name, files[name]
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in the manifest)")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{path}: size {size} bytes, the manifest says {want['size']} (truncated or replaced)")
+        elif digest(path, manifest["algorithm"]) != want["digest"]:
+            problems.append(f"{path}: {manifest['algorithm']} digest differs from the manifest (corrupted)")
+    return problems

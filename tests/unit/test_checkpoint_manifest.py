@@ -1,0 +1,81 @@
+"""The checkpoint manifest (sizes, digests, legacy markers), retention with keep/keep_every, the
+non-finite check of a consolidated state, and the ``train.keep_every`` field. Pure file logic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine import manifest
+from comera_dist.engine.config import TrainConfig
+from comera_dist.engine.elastic import nonfinite_entries
+
+
+def _checkpoint(root, step: int, files: dict[str, bytes]):
+    path = root / ckpt.tag_for(step)
+    path.mkdir(parents=True)
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    (path / ckpt.META).write_text("{}")
+    names = manifest.checkpoint_files(path)
+    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, names)))
+    return path
+
+
+def test_manifest_lists_every_file_and_catches_flip_truncation_missing(tmp_path):
+    path = _checkpoint(tmp_path, 1, {"a.pt": bytes(range(256)) * 40, "sub/b.pt": b"xyz"})
+    found = manifest.read(path)
+    assert set(found["files"]) == {"a.pt", "sub/b.pt", ckpt.META} and found["algorithm"] == "sha256"
+    assert found["files"]["a.pt"]["size"] == 10240
+    assert manifest.verify(path, found) == [] and ckpt.check(path) == []
+
+    data = bytearray((path / "a.pt").read_bytes())
+    data[5000] ^= 0x01  # one bit
+    (path / "a.pt").write_bytes(bytes(data))
+    assert ckpt.check(path) == [f"{path / 'a.pt'}: sha256 digest differs from the manifest (corrupted)"]
+    (path / "a.pt").write_bytes(bytes(data[:100]))
+    assert "a.pt: size 100 bytes, the manifest says 10240" in ckpt.check(path)[0]
+    (path / "sub" / "b.pt").unlink()
+    problems = ckpt.check(path)
+    assert len(problems) == 2 and problems[1] == f"{path / 'sub' / 'b.pt'}: missing (listed in the manifest)"
+
+
+def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, caplog):
+    path = _checkpoint(tmp_path, 2, {"a.pt": b"abc"})
+    (path / manifest.MARKER).write_text(f"{path.name}\n")  # the pre-manifest marker
+    assert manifest.read(path) == manifest.LEGACY
+    with caplog.at_level("WARNING"):
+        assert ckpt.check(path) == []
+    assert "written before checkpoint manifests" in caplog.text and "cannot be verified" in caplog.text
+    (path / manifest.MARKER).write_text('{"format": 1, "files": {')
+    assert "damaged manifest" in ckpt.check(path)[0]
+    (path / manifest.MARKER).unlink()
+    assert ckpt.check(path) == [f"{path / manifest.MARKER}: missing (the save was interrupted before publication)"]
+
+
+def test_retention_keeps_newest_every_nth_and_latest(tmp_path):
+    for step in range(100, 800, 100):
+        _checkpoint(tmp_path, step, {"a.pt": b"x"})
+    (tmp_path / ckpt.LATEST).write_text(ckpt.tag_for(300))  # e.g. the newest one that verified
+    (tmp_path / ".tmp-step00000800").mkdir()
+    removed = ckpt.remove_old(tmp_path, keep=2, keep_every=200)
+    assert sorted(p.name for p in removed) == [ckpt.tag_for(s) for s in (100, 500)]
+    left = [ckpt.step_of(p) for p in ckpt.complete_checkpoints(tmp_path)]
+    assert left == [200, 300, 400, 600, 700] and not (tmp_path / ".tmp-step00000800").exists()
+    assert ckpt.candidates_auto(tmp_path)[0].name == ckpt.tag_for(300)  # `latest` is tried first
+
+
+def test_nonfinite_entries_names_params_and_moments():
+    good = {"params": {"w": torch.ones(3), "ids": torch.arange(3)}, "moments": {"w": {"exp_avg": torch.zeros(3)}}}
+    assert nonfinite_entries(good) == []
+    bad = {"params": {"w": torch.tensor([1.0, float("nan")]), "v": torch.ones(2)},
+           "moments": {"v": {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.tensor([float("inf"), 0.0])}}}
+    assert nonfinite_entries(bad) == ["v.exp_avg_sq", "w"]
+
+
+def test_keep_every_validated():
+    assert TrainConfig(keep_every=100).keep_every == 100
+    with pytest.raises(ValueError, match="train.keep_every must be >= 0, got -1"):
+        TrainConfig(keep_every=-1)

@@ -11,9 +11,12 @@ HF config implies before it is replaced; nothing is found by guessing names.
   stay dense and are copied.
 - GPT-2 stores ``Conv1D`` weights as ``(in, out)`` and fuses Q, K, V into one ``c_attn``; it becomes
   ``FusedQKV`` (three TT layers, outputs concatenated) so Q, K, V are tensorized like the paper's.
-- Tied embeddings: a TT table cannot be shared with a dense LM head, so tensorizing the embedding
-  of a tied model *unties* it: the head keeps the dense weight it had (a copy), and
-  ``config.tie_word_embeddings`` becomes False. Exported models are therefore untied too.
+- Tied embeddings stay tied: tensorizing the embedding of a tied model replaces the LM head by a
+  ``TiedTTHead`` on the new ``TTEmbedding`` (``logits = h E^T`` from the same cores and gates; BERT's
+  decoder keeps sharing ``cls.predictions.bias``). ``config.tie_word_embeddings`` stays True; the
+  instance's ``_tied_weights_keys`` drops the weight entry (the tie is structural, there is no head
+  weight for HF to re-tie), so ``tie_weights()`` leaves the TT table alone. ``densify`` restores a
+  standard weight-tied model.
 - ``densify(hf_model)`` (used by ``export_dense``) replaces every TT layer by the dense module type
   the architecture expects (``nn.Linear``, ``Conv1D``, ``nn.Embedding``).
 """
@@ -29,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
 from comera_dist.models.factory import (
     TensorizeSpec,
     check_modes_used,
@@ -175,24 +178,29 @@ def tensorize(hf_model: nn.Module, spec: TensorizeSpec, init: str = "svd") -> nn
 
 
 def _tensorize_embedding(hf_model: nn.Module, amap: ArchMap, spec: TensorizeSpec, init: str) -> None:
-    emb, c = hf_model.get_submodule(amap.embedding), hf_model.config
-    if amap.head is not None:
-        head = hf_model.get_submodule(amap.head)
-        if head.weight is emb.weight:  # untie: the dense head keeps its own copy of the table
-            head.weight = nn.Parameter(emb.weight.detach().clone())
-        bias = getattr(hf_model.get_submodule(amap.head.rsplit(".", 1)[0]), "bias", None)
-        if isinstance(bias, nn.Parameter) and getattr(head, "bias", None) is bias:
-            head.bias = nn.Parameter(bias.detach().clone())  # BERT shares decoder.bias with predictions.bias
-        c.tie_word_embeddings = False
-        if hasattr(hf_model, "all_tied_weights_keys"):
-            hf_model.all_tied_weights_keys = hf_model.get_expanded_tied_weights_keys(all_submodels=True)
+    emb = hf_model.get_submodule(amap.embedding)
+    head = hf_model.get_submodule(amap.head) if amap.head is not None else None
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
     if init == "svd":
         tt = tt_from_embedding(emb, spec)
     else:
         row_modes, col_modes = explicit_modes(spec, "embedding", emb.num_embeddings, emb.embedding_dim)
         tt = TTEmbedding(emb.num_embeddings, emb.embedding_dim, row_modes=row_modes, col_modes=col_modes,
                          num_cores=spec.embedding_num_cores, max_rank=spec.embedding_max_rank)
-    hf_model.set_submodule(amap.embedding, tt.to(device=emb.weight.device, dtype=emb.weight.dtype))
+    tt = tt.to(device=emb.weight.device, dtype=emb.weight.dtype)
+    hf_model.set_submodule(amap.embedding, tt)
+    if not tied:
+        return
+    assert head is not None and amap.head is not None
+    new_head = TiedTTHead(tt, bias=head.bias is not None)
+    if head.bias is not None:
+        new_head.bias = head.bias  # the same Parameter (BERT shares it with cls.predictions.bias)
+    hf_model.set_submodule(amap.head, new_head)
+    # The weight tie is now structural: keep only HF's other tie entries (BERT's decoder bias).
+    hf_model._tied_weights_keys = {k: v for k, v in (type(hf_model)._tied_weights_keys or {}).items()
+                                   if k != f"{amap.head}.weight"}
+    if hasattr(hf_model, "all_tied_weights_keys"):
+        hf_model.all_tied_weights_keys = hf_model.get_expanded_tied_weights_keys(all_submodels=True)
 
 
 def _check_dense(name: str, mod: nn.Module, n_in: int, n_out: int, conv1d: bool) -> None:
@@ -264,6 +272,19 @@ def densify(hf_model: nn.Module) -> nn.Module:
     emb = model.get_submodule(amap.embedding)
     if isinstance(emb, TTEmbedding):
         model.set_submodule(amap.embedding, emb.to_embedding())
+    head = model.get_submodule(amap.head) if amap.head is not None else None
+    if isinstance(head, TiedTTHead):  # back to a standard weight tie
+        assert amap.head is not None
+        table = model.get_submodule(amap.embedding).weight  # (V, C)
+        lin = nn.Linear(table.shape[1], table.shape[0], bias=head.bias is not None, device=table.device,
+                        dtype=table.dtype)
+        lin.weight = table
+        if head.bias is not None:
+            lin.bias = head.bias
+        model.set_submodule(amap.head, lin)
+        model.__dict__.pop("_tied_weights_keys", None)  # the class's full mapping again
+        if hasattr(model, "all_tied_weights_keys"):
+            model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
     return model
 
 

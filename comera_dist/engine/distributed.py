@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import deepspeed
 import deepspeed.comm as dist
-import torch
+from deepspeed.accelerator import get_accelerator
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 29500
@@ -93,7 +93,13 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
 
 
 def init_distributed(timeout_s: float = 60.0) -> DistInfo:
-    """Discover the ranks and start the process group (gloo on CPU, NCCL on GPU) once.
+    """Discover the ranks and start the process group once, on DeepSpeed's accelerator.
+
+    The accelerator (``DS_ACCELERATOR``, else DeepSpeed's detection) decides everything device:
+    the backend is its communication backend (NCCL for ``cuda``, gloo for ``cpu``), and on a
+    device accelerator this rank's device is selected *before* the group starts, so NCCL binds
+    each rank to its own GPU. ``DS_ACCELERATOR=cpu`` on a GPU node therefore gives a CPU run
+    under gloo, never a CPU module under an NCCL group.
 
     ``timeout_s`` bounds every collective, so a dead peer makes the survivors fail instead
     of hanging forever. Safe to call twice (the second call only reports).
@@ -102,11 +108,16 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     disable_shm_op()
     source = discover_ranks()
+    accelerator = get_accelerator()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if accelerator.device_name() != "cpu":
+        if local_rank >= accelerator.device_count():
+            raise RuntimeError(f"local rank {local_rank} has no {accelerator.device_name()} device: this node "
+                               f"shows {accelerator.device_count()}; start at most that many processes per node "
+                               "(or DS_ACCELERATOR=cpu for a CPU run)")
+        accelerator.set_device(local_rank)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   timeout=timedelta(seconds=timeout_s))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
+                                   verbose=False, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ["LOCAL_RANK"]), source=source)

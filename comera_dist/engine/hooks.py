@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from comera_dist.compression.penalty import penalty_from_gates
 from comera_dist.compression.walk import tensorized_modules
+from comera_dist.engine.device import accelerator_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ class PenaltyHook:
 
     def proxy(self) -> Tensor:
         """A fresh 0-d leaf holding R; after backward its ``.grad`` is ``d objective / d R``."""
-        return torch.tensor(self.value(), dtype=torch.float32, requires_grad=True)
+        # On the accelerator, beside the task loss it is combined with (fp32 whatever the precision).
+        return torch.tensor(self.value(), dtype=torch.float32, device=accelerator_device(), requires_grad=True)
 
     def inject(self, coef: float) -> None:
         """Add ``coef * dR/dg`` to the full gradient of every gate (call between backward and step).

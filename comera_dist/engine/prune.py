@@ -19,6 +19,7 @@ from deepspeed.utils import safe_get_full_optimizer_state
 from torch import Tensor, nn
 
 from comera_dist.compression.pruning import PruningPlan, apply_plan, make_plan
+from comera_dist.engine.device import accelerator_device
 from comera_dist.engine.hooks import full_fp32, full_shape, set_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -67,8 +68,13 @@ def link_optimizer_state(engine) -> None:
 
 
 def gather_full_state(engine) -> FullState:
-    """Full fp32 weights and AdamW moments of ``engine.module`` (collective: all ranks call it)."""
+    """Full fp32 weights and AdamW moments of ``engine.module`` (collective: all ranks call it).
+
+    Every tensor of the result lives on the accelerator's device (where the module is), whatever
+    DeepSpeed keeps its fp32 masters or moments on, so slicing and rebuilding stay on one device.
+    """
     module: nn.Module = engine.module
+    device = accelerator_device()
     step = optimizer_step_count(engine)
     if step > 0:
         link_optimizer_state(engine)
@@ -78,17 +84,17 @@ def gather_full_state(engine) -> FullState:
     moments: dict[str, dict[str, Tensor]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) not in by_id:
-            value = full_fp32(p)
+            value = full_fp32(p).to(device)
             m: dict[str, Tensor] = {}
             if step > 0 and p.requires_grad:
                 for key in MOMENTS:
                     full = safe_get_full_optimizer_state(p, key)
                     if full is None:  # no ZeRO and no master copy: the state is keyed by p itself
                         full = inner.state[p][key]
-                    m[key] = full.detach().float().clone().reshape(full_shape(p))
+                    m[key] = full.detach().float().to(device).clone().reshape(full_shape(p))
             by_id[id(p)] = (value.clone(), m)
         params[name], moments[name] = by_id[id(p)]
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    buffers = {n: b.detach().to(device).clone() for n, b in module.named_buffers()}
     return FullState(params=params, buffers=buffers, moments=moments, step=step)
 
 
@@ -149,7 +155,8 @@ def restore_optimizer_state(engine, state: FullState, *, set_master: bool) -> No
     inner = torch_optimizer(engine)
     if state.step == 0:
         return
-    step = torch.tensor(float(state.step))
+    # torch's AdamW keeps `step` on the host unless it is fused or capturable (then beside the param).
+    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
     # ZeRO-3 swaps its flat fp32 partitions into the param groups only during its step.
     flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
     if flats is None:
@@ -158,7 +165,7 @@ def restore_optimizer_state(engine, state: FullState, *, set_master: bool) -> No
         slot = inner.state[flat]
         slot.setdefault("exp_avg", torch.zeros_like(flat))
         slot.setdefault("exp_avg_sq", torch.zeros_like(flat))
-        slot["step"] = step.clone()
+        slot["step"] = torch.tensor(float(state.step), device=flat.device if on_device else "cpu")
     link_optimizer_state(engine)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:

@@ -7,6 +7,7 @@ checkpoint format. The training loop (``engine/trainer.py``) only calls its meth
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -25,8 +26,10 @@ from comera_dist.compression.pruning import PruningPlan
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine import elastic
 from comera_dist.engine.build import Built, construct_model, initialize
 from comera_dist.engine.config import solve_batch_sizes
+from comera_dist.engine.device import accelerator_device, batches_to_device, collective_tensor, to_device
 from comera_dist.engine.hooks import PenaltyHook, full_shape, gate_refs, gathered
 from comera_dist.engine.prune import (
     gather_full_state,
@@ -38,6 +41,7 @@ from comera_dist.engine.prune import (
 from comera_dist.engine.token_stats import label_token_sums
 from comera_dist.models.gpt import GPT
 
+log = logging.getLogger(__name__)
 Batch = Mapping[str, Tensor]
 SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
               "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
@@ -66,17 +70,27 @@ class StepOutput:
 
 
 def _rng_state() -> dict[str, Any]:
-    """torch, python and numpy RNG states as plain lists/ints (picklable without torch storages)."""
+    """torch, python, numpy and (when present) every CUDA device's RNG states as plain lists/ints
+    (picklable without torch storages)."""
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state().tolist(), "python": random.getstate(),
-            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    state = {"torch": torch.get_rng_state().tolist(), "python": random.getstate(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if torch.cuda.is_available():  # dropout on CUDA draws from the device generators
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what ``_rng_state`` captured; CUDA states only when both the checkpoint and this host have them
+    (a CPU checkpoint resumed on GPUs, or the reverse, keeps this process's seeded CUDA generators)."""
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate(_as_tuple(state["python"]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        n = min(len(cuda), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda[:n]])
 
 
 def _as_tuple(x: Any) -> Any:
@@ -120,6 +134,12 @@ class TrainSession:
         self.built = built
         self.engine = built.engine
         self.penalty = PenaltyHook(self.engine.module)
+        # DeepSpeed put the module on its accelerator's device; batches follow it (engine/device.py).
+        self.device = accelerator_device()
+
+    def to_device(self, batch: Batch) -> dict[str, Tensor]:
+        """``batch`` on the engine's device: every batch path (train, probe, evaluation) goes through here."""
+        return to_device(batch, self.device)
 
     @property
     def module(self) -> nn.Module:
@@ -137,7 +157,7 @@ class TrainSession:
 
     # ------------------------------------------------------------------ training
     def _global_mean(self, *values: float) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = collective_tensor(values)  # (n,) on the accelerator: NCCL refuses host tensors
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
 
@@ -146,11 +166,15 @@ class TrainSession:
         return out["loss"]
 
     def _all_finite(self, micro_batches: Sequence[Batch]) -> bool:
-        """Forward-only probe of every micro-batch (same RNG draws as the real pass), one all-reduce."""
-        rng = torch.get_rng_state()
-        with torch.no_grad():
+        """Forward-only probe of every micro-batch, one all-reduce.
+
+        The probe must draw the same dropout masks as the real pass: the host RNG and, on an
+        accelerator, the device's RNG (dropout on CUDA draws from the CUDA generator) are forked
+        around it, so the real pass starts from the very states the probe started from.
+        """
+        devices = [self.device] if self.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), torch.no_grad():
             losses = [float(self._forward_loss(b)) for b in micro_batches]
-        torch.set_rng_state(rng)
         return all(math.isfinite(v) for v in self._global_mean(*losses))
 
     def size(self) -> int:
@@ -173,6 +197,7 @@ class TrainSession:
             raise ValueError(f"train_step: got {len(micro_batches)} micro-batches, the config accumulates "
                              f"{self.accumulation} (deepspeed.gradient_accumulation_steps)")
         self.engine.train()
+        micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
         if len(micro_batches) > 1 and not self._all_finite(micro_batches):
             return self._skipped()
         size = self.size()
@@ -181,7 +206,14 @@ class TrainSession:
             task = self._forward_loss(batch)
             global_loss, global_size = self._global_mean(float(task.detach()), float(size))
             if not math.isfinite(global_loss):
-                return self._skipped()  # only reachable with one micro-batch: nothing was back-propagated
+                if i == 0:
+                    return self._skipped()  # nothing was back-propagated yet: the engine is untouched
+                # Earlier micro-batches already put their gradients into DeepSpeed's buffers; returning
+                # would leave them half accumulated for the next step. The probe replays the same RNG,
+                # so only a non-deterministic forward gets here: stop with the cause, not corrupt state.
+                raise RuntimeError(f"micro-batch {i} gave a non-finite loss in the real pass although the "
+                                   "finite-probe found every micro-batch finite (a non-deterministic "
+                                   "forward?); the step's accumulation cannot be undone")
             if i == 0 and self.penalty.active:
                 self.controller.advance(self.steps_done + 1, global_loss, round(global_size))
             if self.penalty.active:
@@ -221,9 +253,10 @@ class TrainSession:
         tokens (MLM: masked positions; causal: next tokens) predicted by the arg-max logit.
         """
         self.engine.eval()
-        sums = label_token_sums(self.engine, batches, causal=isinstance(self.module, GPT))
+        sums = label_token_sums(self.engine, batches_to_device(batches, self.device),
+                                causal=isinstance(self.module, GPT))
         self.engine.train()
-        total = torch.tensor(sums, dtype=torch.float64)
+        total = collective_tensor(sums)  # (3,) on the accelerator
         dist.all_reduce(total)
         loss_sum, correct, count = total.tolist()
         if count == 0:
@@ -254,7 +287,9 @@ class TrainSession:
         if p.every == 0 or step < p.start_step or step % p.every or not self.penalty.active:
             return False
         state = gather_full_state(self.engine)
-        model = model_at_shapes(self.factory, self.plans)
+        # The gathered state lives on the engine's device; so must the model it is sliced with
+        # (apply_plan indexes the moments with index tensors made on the gates' device).
+        model = model_at_shapes(self.factory, self.plans).to(self.device)
         load_full_state(model, state)
         plan = prune_full_state(model, state, p.min_rank)
         if plan is None:
@@ -293,9 +328,14 @@ class TrainSession:
                 "tensorize": {k: v for k, v in tensorize.items() if k != "init"},
                 "comera_enabled": self.cfg.comera.enabled}
 
-    def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, before_publish=None) -> Path:
+    def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
+             before_publish=None) -> Path | None:
         """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
-        e.g. its loader position) rides along and comes back to that rank on resume."""
+        e.g. its loader position) rides along and comes back to that rank on resume.
+
+        Returns None, writing nothing, when a parameter or optimizer moment is non-finite: such a
+        state is never published as the last good one. ``retain=False`` deletes no older checkpoint.
+        """
         from comera_dist.config import (
             resolved_dict,  # config imports engine.config; avoid the cycle at import
         )
@@ -312,41 +352,67 @@ class TrainSession:
         clients: list[Any] = [None] * self.world_size
         dist.all_gather_object(clients, dict(client_state or {}))
         client = {"comera": comera_state, "clients": clients}
+        full, bad = elastic.consolidate(self.engine, client)  # collective; identical on every rank
+        if bad:
+            if dist.get_rank() == 0:
+                log.error("step %d: not checkpointing: %d parameter/optimizer tensors are non-finite (%s); "
+                          "the last good checkpoint stays %s", step, len(bad), ", ".join(bad[:5]),
+                          ckpt.latest_complete(self.checkpoint_root))
+            return None
+        train = self.cfg.train
         return ckpt.save(self.engine, self.checkpoint_root, step, client_state=client, meta=meta,
-                         resolved_config=resolved_dict(self.cfg), keep=self.cfg.train.keep_checkpoints,
-                         before_publish=before_publish)
+                         resolved_config=resolved_dict(self.cfg), keep=train.keep_checkpoints,
+                         keep_every=train.keep_every, full_state=full, retain=retain, before_publish=before_publish)
 
     def resume(self, spec: str) -> dict[str, Any] | None:
         """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` (None: fresh start).
 
-        A pruned checkpoint is loaded into a model rebuilt at its saved shapes. Collective.
+        Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
+        the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
+        shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
+        state (``engine/elastic.py``). Collective.
         """
-        path = ckpt.resolve(spec, self.checkpoint_root)
+        path = ckpt.choose(spec, self.checkpoint_root)
         if path is None:
             return None
         meta = ckpt.read_meta(path)
         ckpt.check_compatible(meta, self.identity(), path)
-        if meta["world_size"] != self.world_size:
-            raise ckpt.CheckpointError(f"checkpoint {path} was written by {meta['world_size']} ranks, this job "
-                                       f"has {self.world_size}; convert it with DeepSpeed's universal checkpoint")
         plans = [PruningPlan.from_json(text) for text in meta["plans"]]
-        if plans != self.plans:
+        rank, stage = dist.get_rank(), self.cfg.deepspeed.zero_stage
+        if meta["world_size"] != self.world_size or meta.get("zero_stage", stage) != stage:
+            if rank == 0:
+                log.info("elastic resume from %s: %s", path, elastic.describe_move(meta, self.world_size, stage))
+            payload = ckpt.read_full_state(path)
+            state = elastic.full_state(payload, torch.device("cpu"))
             model = model_at_shapes(self.factory, plans)
-            old = self.engine
-            self.engine = None
-            old.destroy()
-            self._use(self._initialize(self.cfg, model, self.world_size))
+            load_full_state(model, state)
+            self._replace_engine(model)
             self.plans = plans
-        ckpt.verify_weights_only(path)
-        loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
-        if loaded is None:
-            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
-        sched = self.engine.lr_scheduler
-        if sched is not None and hasattr(sched, "last_batch_iteration"):
-            sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
+            restore_optimizer_state(self.engine, elastic.full_state(payload, self.device),
+                                    set_master=self.cfg.deepspeed.precision != "fp32")
+            elastic.restore_schedule(self.engine, payload)
+            client = payload["client"]
+        else:
+            if plans != self.plans:
+                self._replace_engine(model_at_shapes(self.factory, plans))
+                self.plans = plans
+            ckpt.verify_weights_only(path)
+            loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
+            if loaded is None:
+                raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+            sched = self.engine.lr_scheduler
+            if sched is not None and hasattr(sched, "last_batch_iteration"):
+                sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
         state = client["comera"]
         self.controller.load_state_dict(state["controller"])
         self.steps_done = state["steps_done"]
         self.nonfinite_total = state["nonfinite_total"]
-        _set_rng_state(state["rng"][dist.get_rank()])
-        return dict(client["clients"][dist.get_rank()], step=state["step"])
+        _set_rng_state(elastic.rank_entry(state["rng"], rank))
+        return dict(elastic.rank_entry(client["clients"], rank), step=state["step"])
+
+    def _replace_engine(self, model: nn.Module) -> None:
+        """Destroy the engine and build a fresh one around ``model`` for this job's world size and stage."""
+        old = self.engine
+        self.engine = None
+        old.destroy()
+        self._use(self._initialize(self.cfg, model, self.world_size))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-import torch
 import torch.distributed as dist
+
+from comera_dist.engine.device import collective_tensor
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -34,9 +35,10 @@ class StopRequest:
 
     def agree(self) -> bool:
         """True on every rank if any rank received a stop signal (one tiny all-reduce)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])  # (1,)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        flag = collective_tensor([1.0 if self.requested else 0.0])  # (1,) on the accelerator (NCCL)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def close(self) -> None:

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as tdist
+from deepspeed.accelerator import get_accelerator
 
 from comera_dist.config import RunConfig, check_world_size
-from comera_dist.engine.checkpoint import CheckpointError
+from comera_dist.engine.checkpoint import CheckpointError, latest_complete
+from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.faults import NonFiniteInjector
@@ -61,16 +62,20 @@ def _model_factory(cfg: RunConfig):
 
 
 def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFiniteGuard,
-                metrics: Metrics, reason: str) -> None:
-    """Save on every rank (a collective); each rank's client state (its data position) rides along."""
+                metrics: Metrics, reason: str, *, retain: bool = True) -> Path | None:
+    """Save on every rank (a collective); each rank's client state (its data position) rides along.
+
+    None when nothing was written because the state is non-finite (the session logs which tensors).
+    """
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
               "reason": reason}
     try:
-        session.save(step, client)
+        path = session.save(step, client, retain=retain)
     except Exception:
         metrics.checkpoint_saved(False, step)
         raise
-    metrics.checkpoint_saved(True, step)
+    metrics.checkpoint_saved(path is not None, step)
+    return path
 
 
 def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str) -> int:
@@ -96,14 +101,16 @@ def _step_metrics(out: Any, step_time: float, tokens: int, guard: NonFiniteGuard
 
 
 def _peak_memory_bytes() -> float:
-    """Peak memory of the busiest rank: CUDA allocator peak, or the process's max RSS on CPU."""
-    if torch.cuda.is_available():
-        value = float(torch.cuda.max_memory_allocated())
+    """Peak memory of the busiest rank: the accelerator allocator's peak (DeepSpeed's accelerator, the
+    device the engine runs on), or the process's max RSS when that accelerator is the CPU."""
+    if accelerator_device().type != "cpu":
+        value = float(get_accelerator().max_memory_allocated())
     else:
         value = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    t = torch.tensor([value], dtype=torch.float64)
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    if not (tdist.is_initialized() and tdist.get_world_size() > 1):
+        return value
+    t = collective_tensor([value])  # (1,) on the accelerator (NCCL refuses host tensors)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return float(t.item())
 
 
@@ -190,9 +197,16 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             if info.rank == 0 and (step % cfg.train.log_every == 0 or "val_loss" in values):
                 log.info("step %d/%d %s", step, cfg.train.steps, _format(values))
             if guard.tripped:
-                log.error("stopping: %d consecutive non-finite steps; checkpointing the last good state",
-                          guard.consecutive)
-                _checkpoint(session, data, step, guard, metrics, reason="nonfinite")
+                # Skipped steps never touch the weights, so the state is the last good step's unless it was
+                # already poisoned (e.g. loaded from a corrupt file): session.save refuses non-finite
+                # tensors. No retention here: every older checkpoint is kept.
+                previous = latest_complete(session.checkpoint_root)
+                log.error("stopping: %d consecutive non-finite steps; checkpointing the state if it is finite, "
+                          "keeping the previous checkpoint %s", guard.consecutive, previous)
+                saved = _checkpoint(session, data, step, guard, metrics, reason="nonfinite", retain=False)
+                if info.rank == 0:
+                    log.error("non-finite stop: %s; the previous checkpoint %s is kept",
+                              f"wrote {saved}" if saved else "state non-finite, nothing written", previous)
                 status = EXIT_NONFINITE
                 break
             if stop.agree():

@@ -40,7 +40,9 @@ TRAIN_SCRIPT=$COMERA_TRAIN_SCRIPT
 
 DEVICE=${COMERA_DEVICE:-gpu}
 case "$DEVICE" in
-  gpu) NPROC=${COMERA_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}} ;;
+  gpu) NPROC=${COMERA_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}}
+       # DeepSpeed's cuda accelerator: NCCL, one GPU per rank (engine/distributed.py sets it before the group)
+       export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} ;;
   cpu) NPROC=${COMERA_NPROC_PER_NODE:-2}
        # DeepSpeed's cpu accelerator on gloo; the ranks of a node share its cores
        export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ;;

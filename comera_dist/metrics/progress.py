@@ -1,11 +1,21 @@
-"""ProgressBar: the rank-0 tqdm bar with loss, tokens/s, compression ratio and stage."""
+"""ProgressBar: the rank-0 tqdm bar with loss, tokens/s, compression ratio and stage.
+
+While the bar is open, console log records (the root logger's and DeepSpeed's stderr/stdout
+handlers) go through ``tqdm.write`` (``tqdm.contrib.logging.logging_redirect_tqdm``): the bar
+is cleared, the line printed, the bar redrawn below it, so no log line is glued to the bar.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+# Loggers with their own console handlers: the root (the trainer's) and DeepSpeed's (propagate=False).
+REDIRECTED_LOGGERS = ("", "DeepSpeed")
 
 # logged key -> short postfix label, in display order
 POSTFIX = {"train_loss": "loss", "val_loss": "val", "tokens_per_second": "tok/s",
@@ -20,6 +30,9 @@ class ProgressBar:
         interactive = sys.stderr.isatty()
         self._bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True,
                          mininterval=0.1 if interactive else 10.0)
+        self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger(n) for n in REDIRECTED_LOGGERS],
+                                               tqdm_class=tqdm)
+        self._redirect.__enter__()
         self._log_every = log_every
         self._latest: dict[str, float] = {}
         self._last_postfix_step: int | None = None
@@ -45,3 +58,6 @@ class ProgressBar:
     def close(self) -> None:
         self._bar.set_postfix(self.postfix(), refresh=False)
         self._bar.close()
+        if self._redirect is not None:  # the original console handlers come back
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None

@@ -1,0 +1,50 @@
+"""Log lines never glue onto the progress bar: while the bar is open they go through ``tqdm.write``."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+from comera_dist.metrics.progress import ProgressBar
+
+
+def _run(capsys, redirect: bool) -> str:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    handler = logging.StreamHandler(sys.stderr)  # capsys's stderr, like the trainer's basicConfig handler
+    handler.setFormatter(logging.Formatter("LOGLINE %(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        bar = ProgressBar(total_steps=5, log_every=1)
+        if not redirect:
+            bar._redirect.__exit__(None, None, None)
+            bar._redirect = None
+        for step in range(5):
+            bar.update({"train_loss": 6.0 - step}, step)
+            bar._bar.refresh()  # the bar is on screen when the log line comes
+            logging.getLogger("comera_dist.engine.trainer").info("step %d", step)
+        bar.close()
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    return capsys.readouterr().err
+
+
+def test_log_lines_start_on_their_own_line(capsys):
+    err = _run(capsys, redirect=True)
+    starts = [m.start() for m in re.finditer("LOGLINE", err)]
+    assert len(starts) == 5
+    for i in starts:  # right after a newline, or after the '\r' that cleared the bar
+        assert i == 0 or err[i - 1] in "\n\r", repr(err[max(0, i - 40):i + 10])
+    # and the handler is back to the plain one once the bar closed
+    assert logging.getLogger().handlers == [] or all(
+        type(h).__name__ != "_TqdmLoggingHandler" for h in logging.getLogger().handlers)
+
+
+def test_without_the_redirect_the_line_glues_onto_the_bar(capsys):
+    """The check above is not vacuous: the plain handler writes right after the bar's text."""
+    err = _run(capsys, redirect=False)
+    glued = [m.start() for m in re.finditer("LOGLINE", err) if m.start() > 0 and err[m.start() - 1] not in "\n\r"]
+    assert glued, repr(err[:300])

@@ -29,6 +29,8 @@ TRITON_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bf
 
 # Set only by ``use_backend``; a plain global (not a ContextVar) so that torch.compile can trace it.
 _override: str | None = None
+# Set only by ``static_shapes``; a plain global for the same reason.
+_static: bool = False
 
 
 def _requested() -> str:
@@ -61,6 +63,29 @@ def use_backend(name: Backend) -> Iterator[None]:
         _override = previous
 
 
+@contextlib.contextmanager
+def static_shapes() -> Iterator[None]:
+    """Inside the block, CPU tensors take the path CUDA tensors and compiled graphs take.
+
+    That path has no data-dependent shapes and no host reads (no ``torch.unique``
+    deduplication, no CPU-only id range checks). ``bench ops`` counts a step this way, as the
+    CPU proxy of a GPU step; tests use it to exercise the path on the CPU.
+    """
+    global _static
+    previous, _static = _static, True
+    try:
+        yield
+    finally:
+        _static = previous
+
+
+def host_work_ok(t: Tensor) -> bool:
+    """Whether data-dependent host work on ``t`` is free: a CPU tensor, in eager mode, outside
+    ``static_shapes()``. Elsewhere such work (``int(t.max())``, ``torch.unique``) would stall the
+    GPU, forbid CUDA-graph capture or break a compiled graph."""
+    return t.device.type == "cpu" and not _static and not torch.compiler.is_compiling()
+
+
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """``(x L) R + bias``; x: (..., N_in), L: (N_in, r), R: (r, N_out) -> (..., N_out)."""
     x2d = x.reshape(-1, x.shape[-1])  # (T, N_in): both backends take 2-D activations
@@ -74,9 +99,15 @@ def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Te
 
 
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
-    """Table-free TTM lookup; ids: (...) int64, A: (M1, N1, r), B: (r, M2, N2) -> (..., N1*N2)."""
+    """Table-free TTM lookup; ids: (...) int64, A: (M1, N1, r), B: (r, M2, N2) -> (..., N1*N2).
+
+    The torch path deduplicates ids with ``torch.unique`` only where that is free
+    (``host_work_ok``: CPU eager); elsewhere it keeps every shape static.
+    """
     if resolve_backend(A) == "triton":
         from comera_dist.kernels import ops
 
         return ops.ttm_lookup(ids, A, B)
-    return contract.ttm_lookup_pairs(ids, A, B)
+    flat = ids.reshape(-1)  # (T,)
+    rows = contract.ttm_lookup_pairs(flat, A, B, dedup="dynamic" if host_work_ok(flat) else "static")  # (T, N)
+    return rows.reshape(*ids.shape, rows.shape[-1])

@@ -121,8 +121,10 @@ class TTEmbedding(TensorizedModule):
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids must be int64 or int32 token ids, got dtype {ids.dtype}")
         flat = ids.reshape(-1).long()  # (T,)
-        checkable = not flat.is_cuda and not torch.compiler.is_compiling()  # no device sync, no graph break
-        if checkable and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+        # The range check reads the ids on the host: CPU eager only (on a GPU it would sync, under
+        # torch.compile break the graph); one read, the message's min/max only on failure.
+        if dispatch.host_work_ok(flat) and flat.numel() and \
+                bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
             raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got min {int(flat.min())} "
                              f"max {int(flat.max())}")
         n = len(self.cores)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_dist.kernels.dispatch import host_work_ok
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
 
@@ -110,10 +111,11 @@ def check_inputs(cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | N
     if input_ids.shape[1] > cfg.max_positions:
         raise ValueError(f"input_ids has sequence length {input_ids.shape[1]} > model.max_positions "
                          f"{cfg.max_positions}")
-    # The id range check syncs with the device, so it runs on CPU only (on CUDA it would block
-    # whole-step graph capture); the data side checks tokenizer/model vocabulary agreement up front.
-    if not input_ids.is_cuda and input_ids.numel() and \
-            (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+    # The id range check syncs with the device, so it runs in CPU eager mode only (on CUDA it would
+    # block whole-step graph capture, under torch.compile break the graph); the data side checks
+    # tokenizer/model vocabulary agreement up front. One host read; min/max only on failure.
+    if host_work_ok(input_ids) and input_ids.numel() and \
+            bool(((input_ids < 0) | (input_ids >= cfg.vocab_size)).any()):
         raise ValueError(f"input_ids holds ids in [{int(input_ids.min())}, {int(input_ids.max())}], outside "
                          f"the vocabulary [0, {cfg.vocab_size}) of model.vocab_size")
     if attention_mask is None:

@@ -23,22 +23,38 @@ def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) ->
     return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out); bias fused into the GEMM
 
 
-def ttm_lookup_pairs(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
+DEDUP = ("dynamic", "static")
+
+
+def ttm_lookup_pairs(ids: Tensor, A: Tensor, B: Tensor, *, dedup: str = "dynamic") -> Tensor:
     """TTM embedding lookup from the two pre-contracted halves, never building the table.
 
     ids: (T,) int64 row ids < M1*M2; A: (M1, N1, r); B: (r, M2, N2). Row id ``i`` splits
-    row-major into ``(i // M2, i % M2)``. Duplicate ids are computed once. Returns (T, N1*N2).
+    row-major into ``(i // M2, i % M2)``. Returns (T, N1*N2).
+
+    dedup: ``"dynamic"`` computes each distinct id once (``torch.unique``: its output size
+    depends on the data, a host sync on a GPU and a graph break under torch.compile);
+    ``"static"`` keeps every shape fixed by ``T``: one product per token, or, once there are at
+    least as many tokens as rows (``T >= M1*M2``), the whole table once and a gather.
     """
     M1, N1, r = A.shape
     M2, N2 = B.shape[1], B.shape[2]
-    uniq, inverse = torch.unique(ids, return_inverse=True)  # (U,), (T,)
+    if dedup not in DEDUP:
+        raise ValueError(f"dedup must be one of {list(DEDUP)}, got {dedup!r}")
+    if dedup == "static" and ids.numel() >= M1 * M2:
+        table = torch.einsum("anr,rbm->abnm", A, B).reshape(M1 * M2, N1 * N2)  # (M1*M2, N1*N2)
+        return F.embedding(ids, table)  # (T, N1*N2)
+    if dedup == "dynamic":
+        uniq, inverse = torch.unique(ids, return_inverse=True)  # (U,), (T,)
+    else:
+        uniq, inverse = ids, None  # (T,): every token computes its own row
     # Row gathers go through F.embedding: its backward accumulates repeated rows far faster on CPU
     # than the scatter behind advanced indexing or index_select.
     Bt = B.permute(1, 0, 2).reshape(M2, r * N2)  # (M2, r*N2): one contiguous slice per second coordinate
     a = F.embedding(uniq // M2, A.reshape(M1, N1 * r)).view(-1, N1, r)  # (U, N1, r)
     b = F.embedding(uniq % M2, Bt).view(-1, r, N2)  # (U, r, N2)
     rows = torch.bmm(a, b).view(-1, N1 * N2)  # (U, N1*N2)
-    return F.embedding(inverse, rows)  # (T, N1*N2)
+    return rows.view(*ids.shape, N1 * N2) if inverse is None else F.embedding(inverse, rows)  # (T, N1*N2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -163,8 +163,17 @@ def _dispatch_lookup(ids, A, B):
         return dispatch.ttm_lookup(ids, A, B)
 
 
+def _dispatch_static(ids, A, B):
+    with dispatch.use_backend("torch"), dispatch.static_shapes():
+        return dispatch.ttm_lookup(ids, A, B)
+
+
+# "pairs_static" covers both static branches: few rows (num_cores 2: 6 rows < 9 tokens, the
+# whole table once) and many (one product per token).
 TTM_PATHS = {
     "pairs_dedup": _pairs(contract.ttm_lookup_pairs),
+    "pairs_static": _pairs(lambda ids, A, B: contract.ttm_lookup_pairs(ids, A, B, dedup="static")),
+    "dispatch_static": _pairs(_dispatch_static),
     "pairs_reference": _pairs(contract.ttm_lookup_reference),
     "dispatch": _pairs(_dispatch_lookup),
     "naive": contract.ttm_lookup_naive,

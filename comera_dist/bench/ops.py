@@ -1,0 +1,126 @@
+"""``python -m comera_dist.bench ops``: aten ops and host syncs per six-encoder training step, dense vs CoMERA.
+
+A GPU step that dispatches thousands of small kernels is launch-bound, and every host sync
+(a tensor read back to Python, an output whose size depends on the data) stalls the GPU and
+forbids CUDA-graph capture. Both are counted here on the CPU, where they can be checked in CI:
+a ``TorchDispatchMode`` sees every aten op the step runs (forward, backward, penalty and the
+optimizer step, exactly ``six_encoder.Contender.train_step``), after warm-up steps.
+
+Syncs are ``aten._local_scalar_dense`` (``.item()``, ``int()``, ``float()``, ``bool()`` of a
+tensor) plus the ops whose output size depends on the data (``SYNC_OPS``: ``nonzero``,
+``unique``, boolean indexing, ``repeat_interleave`` without ``output_size`` ...): on a GPU each
+one waits for the device.
+
+Two policies are counted per contender:
+
+- ``static`` (the headline metrics): the step as it runs on a GPU or under ``torch.compile``,
+  emulated on the CPU with ``kernels.dispatch.static_shapes()``: no CPU-only host checks, no
+  data-dependent deduplication;
+- ``cpu_eager`` (suffix ``_cpu_eager``): the plain CPU eager step, which also runs the CPU-only
+  id range checks and the embedding's ``torch.unique`` deduplication (free of device syncs on
+  a CPU, counted anyway).
+
+CPU targets (issue 11): ``ops_ratio_comera_over_dense <= 2`` and ``syncs_per_step_comera <=
+syncs_per_step_dense``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.six_encoder import make_contender, random_batch
+from comera_dist.kernels import dispatch
+
+_aten = torch.ops.aten
+SYNC_OPS: frozenset[str] = frozenset({
+    "aten._local_scalar_dense", "aten.nonzero", "aten.argwhere", "aten._unique", "aten._unique2",
+    "aten.unique_dim", "aten.unique_consecutive", "aten.unique_dim_consecutive", "aten.masked_select",
+    "aten.bincount", "aten.equal", "aten.allclose",
+})
+"""Ops that read device data back to the host (by overload packet name)."""
+
+
+def _indexes_with_bool(args: tuple) -> bool:
+    """``aten.index``/``index_put`` with a boolean mask index: a hidden ``nonzero``."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()) if i is not None)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops (and the syncing ones) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.syncs: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        kwargs = kwargs or {}
+        if name in SYNC_OPS:
+            self.syncs[name] += 1
+        elif name == "aten.repeat_interleave" and kwargs.get("output_size") is None and \
+                func is _aten.repeat_interleave.Tensor:
+            self.syncs[name] += 1
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_") and \
+                _indexes_with_bool(args):
+            self.syncs[name + "(bool mask)"] += 1
+        return func(*args, **kwargs)
+
+
+def count_step(step: Callable[[], Any], *, warmup: int = 2) -> OpCounter:
+    """Run ``step`` ``warmup`` times, then once under an ``OpCounter``; return the counter."""
+    for _ in range(warmup):
+        step()
+    with OpCounter() as counter:
+        step()
+    return counter
+
+
+def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str, Any]:
+    """Counts for one contender under ``policy`` (``static`` or ``cpu_eager``)."""
+    c = make_contender(name, smoke=smoke)
+    batch = random_batch(c.model, batch_size, smoke=smoke)
+    ctx = dispatch.static_shapes() if policy == "static" else contextlib.nullcontext()
+    with ctx:
+        counter = count_step(lambda: c.train_step(batch))
+    return {"contender": name, "policy": policy, "ops": sum(counter.ops.values()),
+            "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
+            "top_ops": dict(counter.ops.most_common(12))}
+
+
+def main(argv: list[str]) -> int:
+    p = base_parser("ops", "aten ops and host syncs per six-encoder training step, dense vs CoMERA")
+    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    args = p.parse_args(argv)
+    batch = args.batch_size or 2  # op counts do not depend on the batch size
+    rows = [measure(n, smoke=args.smoke, batch_size=batch, policy=pol)
+            for pol in ("static", "cpu_eager") for n in ("dense", "comera")]
+    by = {(r["contender"], r["policy"]): r for r in rows}
+    metrics: dict[str, float] = {}
+    for pol, sfx in (("static", ""), ("cpu_eager", "_cpu_eager")):
+        d, c = by["dense", pol], by["comera", pol]
+        metrics |= {f"ops_per_step_comera{sfx}": c["ops"], f"syncs_per_step_comera{sfx}": c["syncs"],
+                    f"ops_per_step_dense{sfx}": d["ops"], f"syncs_per_step_dense{sfx}": d["syncs"],
+                    f"ops_ratio_comera_over_dense{sfx}": c["ops"] / d["ops"]}
+    met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
+           "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}
+    config = {"smoke": args.smoke, "batch_size": batch, "warmup_steps": 2,
+              "step": "six_encoder.Contender.train_step: forward + backward + penalty + optimizer step",
+              "sync_ops": sorted(SYNC_OPS) + ["aten.repeat_interleave.Tensor without output_size",
+                                              "aten.index/index_put with a bool mask"],
+              "target": {"ops_ratio_comera_over_dense": 2.0, "syncs_per_step_comera": "<= syncs_per_step_dense"},
+              "targets_met": met}
+    table = [{k: v for k, v in r.items() if k not in ("top_ops", "sync_ops")} |
+             {"sync_ops": ", ".join(f"{k} x{v}" for k, v in r["sync_ops"].items())} for r in rows]
+    result_rows = [t | {"top_ops": r["top_ops"]} for t, r in zip(table, rows)]
+    write_result(args.json, "ops", metrics, result_rows, config)
+    return 0

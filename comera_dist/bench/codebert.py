@@ -13,6 +13,12 @@ comparison). The loop does what the engine's step does: the CoMERA loss goes thr
 follows ``pruning`` (``make_plan`` + ``apply_plan`` with the AdamW moments). The config's
 step schedule (late stage, pruning) is scaled by ``--steps / train.steps``. Both contenders
 use AdamW with linear warm-up (5% of steps) and cosine decay to 10%; dense uses ``lr.dense``.
+
+The output head follows ``model.tie_word_embeddings`` (default true) in both contenders: the dense
+model ties its decoder to the dense table, the CoMERA model to the TTM table (``TiedTTHead``), so at
+a large vocabulary the whole model is compressed. ``--heldout PATH`` (repeatable) also evaluates both
+final models on code outside the training corpus (any local files, as ``comera evaluate`` reads
+them) and reports ``heldout_loss_ratio_comera_over_dense`` beside the validation ratio.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from comera_dist.config import apply_overrides
 from comera_dist.configbase import from_dict, load_yaml
 from comera_dist.data.config import DataConfig
 from comera_dist.data.loader import PackedLoader, eval_batches
-from comera_dist.data.prepare import PreparedData, prepare_data
+from comera_dist.data.prepare import PreparedData, evaluation_corpus, prepare_data
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 
@@ -69,13 +75,14 @@ def load_sections(path: Path, *, smoke: bool, overrides: Sequence[str] = ()
     return model, comera, data, dict(raw.get("train") or {})
 
 
-def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int, max_batches: int) -> float:
-    """Mean MLM loss over the first ``max_batches`` validation batches (fixed masks)."""
+def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int, max_batches: int,
+                    dataset: Any = None) -> float:
+    """Mean MLM loss over the first ``max_batches`` batches (fixed masks) of ``dataset`` (default: validation)."""
     model.eval()
     total, n = 0.0, 0
     with torch.no_grad():
-        for batch in eval_batches(prepared.validation, batch_size=batch_size, rank=0, world_size=1, seed=1234,
-                                  collator=prepared.collator, max_batches=max_batches):
+        for batch in eval_batches(prepared.validation if dataset is None else dataset, batch_size=batch_size, rank=0,
+                                  world_size=1, seed=1234, collator=prepared.collator, max_batches=max_batches):
             total += float(model(**batch)["loss"])
             n += 1
     model.train()
@@ -85,7 +92,8 @@ def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int
 
 
 def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared: PreparedData, *, steps: int,
-              batch_size: int, eval_every: int, eval_batches_n: int, scale: float, seed: int) -> dict[str, Any]:
+              batch_size: int, eval_every: int, eval_batches_n: int, scale: float, seed: int,
+              heldout: Any = None, heldout_batches: int = 0) -> dict[str, Any]:
     """Train ``dense`` or ``comera`` for ``steps`` steps; returns curves, timings and the final report."""
     torch.manual_seed(seed)
     tensorized = name == "comera"
@@ -133,11 +141,14 @@ def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared:
             curve.append({"step": step, "val_loss": validation_loss(model, prepared, batch_size=batch_size,
                                                                   max_batches=eval_batches_n)})
     report = compression_report(model) if tensorized else None
+    heldout_loss = None if heldout is None else validation_loss(model, prepared, batch_size=batch_size,
+                                                                max_batches=heldout_batches, dataset=heldout)
     profile = top_ops(lambda: model(**next(loader))["loss"].backward())  # one fwd+bwd of the final model
     opt.zero_grad(set_to_none=True)
     return {"name": name, "curve": curve, "train_s": train_s, "tokens": tokens, "final_val_loss": curve[-1]["val_loss"],
             "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
-            "params": sum(p.numel() for p in model.parameters()), "report": report,
+            "params": sum(p.numel() for p in model.parameters()), "report": report, "heldout_loss": heldout_loss,
+            "head": type(model.head.decoder).__name__ if hasattr(model, "head") else None,
             "stage": controller.stage if tensorized else None, "profile": profile}
 
 
@@ -150,6 +161,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--eval-every", type=int, default=None, help="steps between validation evaluations")
     p.add_argument("--eval-batches", type=int, default=None, help="validation batches per evaluation")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--heldout", type=Path, action="append", default=[], metavar="PATH",
+                   help="files/dirs of code outside the training corpus to evaluate both final models on (repeatable)")
+    p.add_argument("--heldout-batches", type=int, default=32, help="held-out batches per model")
+    p.add_argument("--target-ratio", type=float, default=4.23, help="whole-model compression target (recorded)")
     args = p.parse_args(argv)
     model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke, overrides=args.overrides)
     steps = int(train.get("steps", 200)) if args.steps is None else args.steps
@@ -165,12 +180,18 @@ def main(argv: list[str]) -> int:
     prepared = prepare_data(data_cfg, show_progress=False)
     model_cfg = dataclasses.replace(model_cfg, vocab_size=max(model_cfg.vocab_size, prepared.vocab_size))
     scale = steps / int(train.get("steps", steps))
+    heldout = None
+    if args.heldout:
+        heldout = evaluation_corpus(args.heldout, prepared.tokenizer, seq_len=data_cfg.seq_len,
+                                    objective=data_cfg.objective, show_progress=False)
     runs = {name: train_one(name, model_cfg, comera, prepared, steps=steps, batch_size=batch_size,
-                            eval_every=eval_every, eval_batches_n=n_eval, scale=scale, seed=0)
+                            eval_every=eval_every, eval_batches_n=n_eval, scale=scale, seed=0, heldout=heldout,
+                            heldout_batches=args.heldout_batches)
             for name in ("dense", "comera")}
     rows = [{"contender": n, "steps": steps, "tokens": r["tokens"], "train_s": r["train_s"],
              "tokens_per_s": r["tokens"] / r["train_s"], "final_val_loss": r["final_val_loss"],
-             "final_train_loss": r["final_train_loss"], "params": r["params"]} for n, r in runs.items()]
+             "final_train_loss": r["final_train_loss"], "heldout_loss": r["heldout_loss"], "params": r["params"],
+             "head": r["head"]} for n, r in runs.items()]
     rep = runs["comera"]["report"]
     metrics = {
         "compression_ratio": rep["compression_ratio_model"],
@@ -178,13 +199,19 @@ def main(argv: list[str]) -> int:
         "val_loss_ratio_comera_over_dense": runs["comera"]["final_val_loss"] / runs["dense"]["final_val_loss"],
         "epoch_speedup_vs_dense": runs["dense"]["train_s"] / runs["comera"]["train_s"],
     }
-    config = {"config": str(args.config), "overrides": args.overrides, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
+    if heldout is not None:
+        metrics["heldout_loss_ratio_comera_over_dense"] = runs["comera"]["heldout_loss"] / runs["dense"]["heldout_loss"]
+    config = {"command": " ".join(["python -m comera_dist.bench codebert", *argv]), "config": str(args.config),
+              "overrides": args.overrides, "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
+              "tie_word_embeddings": model_cfg.tie_word_embeddings,
+              "heldout": [str(h) for h in args.heldout], "heldout_blocks": None if heldout is None else len(heldout),
+              "heldout_batches": args.heldout_batches, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
               "smoke": args.smoke, "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
               "loop": "plain single-process loop (same model, controller, pruning as the engine)",
               "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},
               "curves": {n: r["curve"] for n, r in runs.items()},
               "profile": {n: r["profile"] for n, r in runs.items()}, "threads": torch.get_num_threads(),
-              "target": {"compression_ratio": 4.23, "val_loss_ratio_comera_over_dense": 1.03,
+              "target": {"compression_ratio": args.target_ratio, "val_loss_ratio_comera_over_dense": 1.03,
                          "epoch_speedup_vs_dense": 3.0},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "codebert", metrics, rows, config)

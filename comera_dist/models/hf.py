@@ -189,18 +189,33 @@ def _tensorize_embedding(hf_model: nn.Module, amap: ArchMap, spec: TensorizeSpec
                          num_cores=spec.embedding_num_cores, max_rank=spec.embedding_max_rank)
     tt = tt.to(device=emb.weight.device, dtype=emb.weight.dtype)
     hf_model.set_submodule(amap.embedding, tt)
-    if not tied:
-        return
-    assert head is not None and amap.head is not None
-    new_head = TiedTTHead(tt, bias=head.bias is not None)
-    if head.bias is not None:
-        new_head.bias = head.bias  # the same Parameter (BERT shares it with cls.predictions.bias)
+    if tied:
+        tie_tt_head(hf_model)
+
+
+def tie_tt_head(hf_model: nn.Module) -> TiedTTHead:
+    """Replace the LM head of ``hf_model`` (whose embedding is a ``TTEmbedding``) by a ``TiedTTHead`` on it.
+
+    The head's bias Parameter, if any, is kept (BERT shares it with ``cls.predictions.bias``). The
+    weight tie is structural from then on, so the instance's ``_tied_weights_keys`` keeps only HF's
+    other entries and ``tie_weights()`` never touches the TT table.
+    """
+    amap = arch_map(hf_model)
+    emb = hf_model.get_submodule(amap.embedding)
+    if amap.head is None or not isinstance(emb, TTEmbedding):
+        raise ValueError(f"tie_tt_head needs an LM head and a TTEmbedding at {amap.embedding}, got "
+                         f"{type(emb).__name__} (head {amap.head!r})")
+    head = hf_model.get_submodule(amap.head)
+    bias = getattr(head, "bias", None)
+    new_head = TiedTTHead(emb, bias=bias is not None)
+    if bias is not None:
+        new_head.bias = bias  # the same Parameter
     hf_model.set_submodule(amap.head, new_head)
-    # The weight tie is now structural: keep only HF's other tie entries (BERT's decoder bias).
     hf_model._tied_weights_keys = {k: v for k, v in (type(hf_model)._tied_weights_keys or {}).items()
                                    if k != f"{amap.head}.weight"}
     if hasattr(hf_model, "all_tied_weights_keys"):
         hf_model.all_tied_weights_keys = hf_model.get_expanded_tied_weights_keys(all_submodels=True)
+    return new_head
 
 
 def _check_dense(name: str, mod: nn.Module, n_in: int, n_out: int, conv1d: bool) -> None:

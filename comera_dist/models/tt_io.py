@@ -3,7 +3,7 @@
 ``dir/tt_config.json`` records how to rebuild the module tree: the model config (ours:
 ``ModelConfig``; HF: class name + ``config.to_dict()``) and, for every TT layer, its
 dotted name, type and ``tensor_shapes()`` (modes and *physical* ranks, so a pruned
-model rebuilds with its pruned shapes). ``dir/model.safetensors`` holds the state
+model rebuilds with its pruned shapes); a ``TiedTTHead`` records the name of the table it reads. ``dir/model.safetensors`` holds the state
 dict (cores, gates, tau, dense leftovers; tied tensors stored once). Loading builds the
 dense skeleton, swaps in TT layers of the recorded shapes, then loads strictly.
 """
@@ -20,11 +20,11 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from comera_dist.configbase import from_dict, to_dict
-from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
 from comera_dist.models.atomic import atomic_dir
 from comera_dist.models.build import build_model
 from comera_dist.models.config import ModelConfig
-from comera_dist.models.hf import ARCH_MAPS, FusedQKV
+from comera_dist.models.hf import ARCH_MAPS, FusedQKV, tie_tt_head
 
 FORMAT = "comera-tt"
 VERSION = 1
@@ -73,8 +73,15 @@ def load_tt(path: str | Path, map_location: str | torch.device = "cpu") -> nn.Mo
     else:
         raise ValueError(f"load_tt: {cfg_file} has unknown model kind {meta.get('kind')!r}/{meta.get('class')!r}")
     model.to(dtype)
+    tied = {n: d for n, d in meta["modules"].items() if d.get("type") == "TiedTTHead"}
     for name, desc in sorted(meta["modules"].items(), key=lambda kv: kv[0].count(".")):
-        model.set_submodule(name, _rebuild(name, desc, dtype))
+        if name not in tied:
+            model.set_submodule(name, _rebuild(name, desc, dtype))
+    for name, desc in tied.items():  # after the TTM tables they read
+        if meta["kind"] == "hf":
+            tie_tt_head(model)
+        else:
+            model.set_submodule(name, TiedTTHead(model.get_submodule(desc["embedding"]), bias=desc["bias"]))
     if hasattr(model, "all_tied_weights_keys"):  # untied by tensorize: do not re-tie on our behalf
         model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
     missing, unexpected = load_model(model, str(weights), strict=False, device=str(map_location))
@@ -87,6 +94,7 @@ def load_tt(path: str | Path, map_location: str | torch.device = "cpu") -> nn.Mo
 def _describe(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Dotted name -> how to rebuild every TT layer (and GPT-2 ``FusedQKV`` wrapper)."""
     out: dict[str, dict[str, Any]] = {}
+    names = {id(m): n for n, m in model.named_modules()}
     for name, mod in model.named_modules():
         if isinstance(mod, TTLinear):
             out[name] = {"type": "TTLinear", "in_features": mod.in_features, "out_features": mod.out_features,
@@ -96,6 +104,8 @@ def _describe(model: nn.Module) -> dict[str, dict[str, Any]]:
                          "embedding_dim": mod.embedding_dim, "padding_idx": mod.padding_idx, **mod.tensor_shapes()}
         elif isinstance(mod, FusedQKV):
             out[name] = {"type": "FusedQKV"}
+        elif isinstance(mod, TiedTTHead):
+            out[name] = {"type": "TiedTTHead", "embedding": names[id(mod.embedding)], "bias": mod.bias is not None}
     return out
 
 

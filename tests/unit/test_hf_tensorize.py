@@ -71,17 +71,7 @@ def test_full_rank_svd_gives_equal_logits(name):
     assert (scratch(IDS).logits - ref).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama_tied"])
-def test_tied_head_is_untied_and_keeps_the_dense_table(name):
-    dense = make(name)
-    emb = dense.get_input_embeddings().weight.detach().clone()
-    assert dense.get_output_embeddings().weight is dense.get_input_embeddings().weight
-    tt = tensorize(copy.deepcopy(dense), FULL)
-    head = tt.get_output_embeddings()
-    assert isinstance(head, nn.Linear) and torch.equal(head.weight, emb)
-    assert tt.config.tie_word_embeddings is False
-    tt.tie_weights()  # HF re-tying must not touch the TT table
-    assert isinstance(tt.get_input_embeddings(), TTEmbedding) and tt.get_output_embeddings().weight is head.weight
+# Tied models stay tied when tensorized: tests/unit/test_hf_tied.py.
 
 
 def test_gpt2_conv1d_and_fused_qkv_round_trip_through_densify():

@@ -121,16 +121,22 @@ class TTLinear(TensorizedModule):
 
     # ---- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: (..., in_features) -> (..., out_features)."""
+    def forward(self, x: Tensor, factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x: (..., in_features) -> (..., out_features).
+
+        factors: this layer's ``(L, R)`` already contracted by the caller (``layers.group.
+        shared_factors`` contracts same-shape layers together); then the ``lr`` order runs
+        whatever the token count, since the factors are paid for.
+        """
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
-        order = self.chosen_order(x2d.shape[0])
+        order = "lr" if factors is not None else self.chosen_order(x2d.shape[0])
         n = len(self.cores)
         if order == "lr":
-            L, R = on_one_thread(self._halves, *self.cores, *self.gates)  # (N_in, r_d), (r_d, N_out)
+            L, R = factors if factors is not None else \
+                on_one_thread(self._halves, *self.cores, *self.gates)  # (N_in, r_d), (r_d, N_out)
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":

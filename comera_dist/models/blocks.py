@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.kernels.dispatch import host_work_ok
+from comera_dist.layers.group import Factors, project
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
 
@@ -28,13 +29,14 @@ class SelfAttention(nn.Module):
         self.value = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
         self.out = make_linear(spec, "attention", d, d, init_std=cfg.init_std)
 
-    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
-        """x: (B, T, C); keep: (B, T) bool, False at padding keys, or None. Returns (B, T, C)."""
+    def forward(self, x: Tensor, keep: Tensor | None, factors: Factors | None = None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool, False at padding keys, or None; factors: shared TT
+        factors (``layers.group.shared_factors``) or None. Returns (B, T, C)."""
         B, T, C = x.shape
         h = self.num_heads
-        q = self.query(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
-        k = self.key(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
-        v = self.value(x).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        q = project(self.query, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        k = project(self.key, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        v = project(self.value, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
         mask = None
         if keep is not None:
             mask = keep[:, None, None, :]  # (B, 1, 1, T) keys a query may see
@@ -45,7 +47,7 @@ class SelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=self.causal and mask is None)  # (B, h, T, C/h)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.out(y)
+        return project(self.out, y, factors)
 
 
 class FeedForward(nn.Module):
@@ -56,9 +58,9 @@ class FeedForward(nn.Module):
         self.inp = make_linear(spec, "ffn_in", cfg.hidden_size, cfg.intermediate_size, init_std=cfg.init_std)
         self.out = make_linear(spec, "ffn_out", cfg.intermediate_size, cfg.hidden_size, init_std=cfg.init_std)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
-        return self.out(F.gelu(self.inp(x)))  # (B, T, ffn) -> (B, T, C)
+    def forward(self, x: Tensor, factors: Factors | None = None) -> Tensor:
+        """x: (B, T, C) -> (B, T, C); factors as in ``SelfAttention.forward``."""
+        return project(self.out, F.gelu(project(self.inp, x, factors)), factors)  # (B, T, ffn) -> (B, T, C)
 
 
 class BertEmbeddings(nn.Module):
@@ -98,10 +100,10 @@ class PostLNBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
-        """x: (B, T, C); keep: (B, T) bool or None -> (B, T, C)."""
-        x = self.attn_norm(x + self.drop(self.attn(x, keep)))  # (B, T, C)
-        return self.ffn_norm(x + self.drop(self.ffn(x)))  # (B, T, C)
+    def forward(self, x: Tensor, keep: Tensor | None, factors: Factors | None = None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool or None; factors: shared TT factors or None -> (B, T, C)."""
+        x = self.attn_norm(x + self.drop(self.attn(x, keep, factors)))  # (B, T, C)
+        return self.ffn_norm(x + self.drop(self.ffn(x, factors)))  # (B, T, C)
 
 
 def check_inputs(cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_dist.layers.group import project, shared_factors
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_linear
@@ -37,10 +38,11 @@ class SixEncoderClassifier(nn.Module):
                 token_type_ids: Tensor | None = None) -> dict[str, Tensor | None]:
         """input_ids, attention_mask: (B, T); labels: (B,) class ids. Returns loss, logits (B, num_labels)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
+        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, keep)  # (B, T, C)
-        pooled = torch.tanh(self.pooler(x[:, 0]))  # (B, C) from the first ([CLS]) token
+            x = block(x, keep, factors)  # (B, T, C)
+        pooled = torch.tanh(project(self.pooler, x[:, 0], factors))  # (B, C) from the first ([CLS]) token
         logits = self.classifier(self.drop(pooled))  # (B, num_labels)
         loss = None
         if labels is not None:

@@ -102,6 +102,28 @@ def contract_right(cores_out: list[Tensor], masks: list[Tensor] | None) -> Tenso
     return z.reshape(z.shape[0], z.shape[1])
 
 
+def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) -> tuple[Tensor, Tensor]:
+    """``L`` and ``R`` of ``G`` same-shape TT layers at once (one batched chain instead of G).
+
+    cores: ``D`` stacked cores ``(G, r_{k-1}, n_k, r_k)``; masks: ``D - 1`` stacked masked gates
+    ``(G, r_k)``; ``d`` input-side cores. Returns ``L (G, N_in, r_d)`` (middle mask folded in,
+    as ``contract_left``) and ``R (G, r_d, N_out)`` (as ``contract_right``).
+    """
+    G = cores[0].shape[0]
+    scaled = [c * masks[k][:, None, None, :] if k < len(masks) else c for k, c in enumerate(cores)]
+
+    def run(chain_cores: list[Tensor]) -> Tensor:
+        z = chain_cores[0]  # (G, r0, n, r1)
+        r0 = z.shape[1]
+        for c in chain_cores[1:]:  # c: (G, r, n, r')
+            z = torch.bmm(z.reshape(G, -1, c.shape[1]), c.reshape(G, c.shape[1], -1))  # (G, r0*P, n*r')
+            z = z.reshape(G, r0, -1, c.shape[3])  # (G, r0, P*n, r')
+        return z
+
+    left, right = run(scaled[:d]), run(scaled[d:])  # (G, 1, N_in, r_d), (G, r_d, N_out, 1)
+    return left.reshape(G, left.shape[2], left.shape[3]), right.reshape(G, right.shape[1], right.shape[2])
+
+
 def tt_linear_sequential(x: Tensor, cores: list[Tensor], masks: list[Tensor] | None, d: int) -> Tensor:
     """TT linear core by core through the tokens (no L/R build; wins for few tokens or a huge r_d).
 

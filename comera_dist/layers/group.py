@@ -1,0 +1,71 @@
+"""Shared L/R factors: every TT linear layer of a model contracted once per forward, same shapes together.
+
+A six-encoder has 37 TT linear layers in 3 shapes (768x768, 768x3072, 3072x768). Contracting
+each layer's cores into ``L``/``R`` separately costs about a hundred small ops per layer and
+step (forward and backward); stacking the cores of the layers that share every core shape and
+contracting them as one batched chain (``tensor.contract.contract_halves_batched``) costs about
+the same per group. The model computes ``shared_factors(self)`` once at the top of its forward
+and hands the mapping down; ``project(layer, x, factors)`` applies a layer with its factors (or
+without, for dense layers, layers with a forced non-``lr`` order, and callers that pass none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from comera_dist.layers.linear import TTLinear
+from comera_dist.tensor import contract
+from comera_dist.tensor.smallops import on_one_thread
+
+Factors = Mapping[int, tuple[Tensor, Tensor]]
+"""``id(layer) -> (L (N_in, r_d), R (r_d, N_out))`` for the TT linear layers of one forward."""
+
+
+def shared_factors(module: nn.Module) -> dict[int, tuple[Tensor, Tensor]]:
+    """``L``/``R`` of every TT linear layer in ``module`` whose order is ``auto`` or ``lr``.
+
+    Layers whose cores have identical shapes (and dtype, device, split ``d``) are contracted
+    together; a group of one goes through the layer's own ``_halves``. Differentiable.
+    """
+    groups: dict[tuple, list[TTLinear]] = {}
+    for layer in module.modules():
+        if isinstance(layer, TTLinear) and layer.order in ("auto", "lr"):
+            c0 = layer.cores[0]
+            key = (layer.d, tuple(tuple(c.shape) for c in layer.cores), c0.dtype, c0.device)
+            groups.setdefault(key, []).append(layer)
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    for group in groups.values():
+        if len(group) == 1:
+            layer = group[0]
+            out[id(layer)] = on_one_thread(layer._halves, *layer.cores, *layer.gates)
+            continue
+        n, G = len(group[0].cores), len(group)
+        params = [t for layer in group for t in (*layer.cores, *layer.gates, layer.tau)]
+        factors = on_one_thread(lambda *p: _batched(p, n, G, group[0].d), *params)  # G L's, then G R's
+        for i, layer in enumerate(group):
+            out[id(layer)] = (factors[i], factors[G + i])
+    return out
+
+
+def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int) -> tuple[Tensor, ...]:
+    """Stack the group's cores/gates/thresholds, mask, contract; ``(*L_i, *R_i)`` as views."""
+    per = 2 * n  # n cores, n - 1 gates, 1 tau per layer
+    cores = [torch.stack([params[i * per + k] for i in range(G)]) for k in range(n)]  # (G, r, n_k, r')
+    tau = torch.stack([params[i * per + 2 * n - 1] for i in range(G)]).reshape(G, 1)  # (G, 1)
+    masks = []
+    for k in range(n - 1):
+        g = torch.stack([params[i * per + n + k] for i in range(G)])  # (G, r_k)
+        masks.append(g * (g > tau))  # (G, r_k) m(g) = g [g > tau]
+    L, R = contract.contract_halves_batched(cores, masks, d)  # (G, N_in, r_d), (G, r_d, N_out)
+    return (*L.unbind(0), *R.unbind(0))
+
+
+def project(layer: nn.Module, x: Tensor, factors: Factors | None) -> Tensor:
+    """``layer(x)``, with the layer's shared factors when ``factors`` holds them."""
+    lr = None if factors is None else factors.get(id(layer))
+    if lr is None:
+        return layer(x)
+    return layer(x, factors=lr)

@@ -1,0 +1,100 @@
+"""Shared L/R factors (``layers.group``): same-shape TT layers contracted together equal each layer's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comera_dist.compression.config import TensorizeConfig
+from comera_dist.layers import TTLinear
+from comera_dist.layers import group as group_mod
+from comera_dist.layers.group import project, shared_factors
+from comera_dist.models import build_model
+from comera_dist.models.config import ModelConfig
+from comera_dist.tensor import contract
+
+
+def _layers(seed: int) -> torch.nn.ModuleList:
+    g = torch.Generator().manual_seed(seed)
+    same = [TTLinear(12, 20, in_modes=[3, 4], out_modes=[4, 5], max_rank=3, generator=g) for _ in range(3)]
+    other = TTLinear(20, 12, in_modes=[4, 5], out_modes=[3, 4], max_rank=3, generator=g)
+    layers = torch.nn.ModuleList([*same, other])
+    with torch.no_grad():  # distinct gates, some below tau, so the masks matter
+        for i, layer in enumerate(layers):
+            for gate in layer.gates:
+                gate.copy_(torch.rand(gate.shape, generator=g) + 0.5)
+                gate[i % gate.shape[0]] = 0.005  # below tau (1e-2) but not zero
+    return layers
+
+
+def test_batched_factors_match_each_layers_own_forward_and_backward():
+    layers = _layers(0)
+    x = torch.randn(7, 12)
+    got = shared_factors(layers)
+    assert set(got) == {id(m) for m in layers}
+    out = sum(project(m, x if m.in_features == 12 else torch.cat([x, x[:, :8]], 1), got).square().sum()
+              for m in layers)
+    out.backward()
+    grads = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    ref = sum(m(x if m.in_features == 12 else torch.cat([x, x[:, :8]], 1)).square().sum() for m in layers)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for a, p in zip(grads, layers.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_contract_halves_batched_equals_left_and_right():
+    layers = _layers(1)[:3]
+    d = layers[0].d
+    n = len(layers[0].cores)
+    cores = [torch.stack([m.cores[k] for m in layers]) for k in range(n)]
+    masks = [torch.stack([m.masked_gates()[k] for m in layers]) for k in range(n - 1)]
+    L, R = contract.contract_halves_batched(cores, masks, d)
+    for i, m in enumerate(layers):
+        Li, Ri = m._halves(*m.cores, *m.gates)
+        torch.testing.assert_close(L[i], Li)
+        torch.testing.assert_close(R[i], Ri)
+
+
+def test_forced_orders_and_pruned_shapes_are_grouped_apart():
+    layers = _layers(2)
+    layers[1].order = "sequential"
+    layers[2].prune_({0: torch.tensor([0, 1])})
+    got = shared_factors(layers)
+    assert id(layers[1]) not in got and id(layers[2]) in got
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(project(layers[2], x, got), layers[2](x))
+    torch.testing.assert_close(project(layers[1], x, got), layers[1](x))
+
+
+def test_six_encoder_with_and_without_shared_factors(monkeypatch):
+    cfg = ModelConfig(arch="six_encoder_cls", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                      intermediate_size=32, max_positions=8, num_labels=3, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3))
+    ids, labels = torch.randint(0, 50, (2, 8)), torch.tensor([0, 2])
+    results = []
+    for share in (True, False):
+        if not share:
+            monkeypatch.setattr("comera_dist.models.six_encoder.shared_factors", lambda m: {})
+        model.zero_grad()
+        loss = model(ids, labels=labels)["loss"]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+    assert group_mod.shared_factors is not None
+
+
+@pytest.mark.parametrize("G", [2, 4])
+def test_batched_groups_bigger_than_one(G):
+    g = torch.Generator().manual_seed(G)
+    layers = torch.nn.ModuleList([TTLinear(8, 8, in_modes=[2, 4], out_modes=[4, 2], max_rank=2, generator=g)
+                                  for _ in range(G)])
+    got = shared_factors(layers)
+    for m in layers:
+        L, R = m._halves(*m.cores, *m.gates)
+        torch.testing.assert_close(got[id(m)][0], L)
+        torch.testing.assert_close(got[id(m)][1], R)

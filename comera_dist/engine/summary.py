@@ -17,7 +17,7 @@ from comera_dist.compression.groups import param_groups
 from comera_dist.config import RunConfig, resolved_dict
 from comera_dist.engine.config import solve_batch_sizes, to_deepspeed_dict
 from comera_dist.engine.model_factory import build_run_model
-from comera_dist.layers import TTEmbedding
+from comera_dist.layers import TiedTTHead, TTEmbedding
 
 KINDS = ("embedding", "attention", "ffn_in", "ffn_out", "other")
 ENCODER_KINDS = ("attention", "ffn_in", "ffn_out")
@@ -64,8 +64,11 @@ def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
     tt_flops = sum(r["flops_per_token"] for r in report["layers"].values())
     dense_tt_flops = sum(2 * r["dense_params"] for r in report["layers"].values()
                          if r["kind"] != "TTEmbedding")  # a dense table lookup costs no FLOPs
-    forward = tt_flops + _linear_flops(model) + attn
-    forward_dense = dense_tt_flops + _linear_flops(model) + attn
+    # A head tied to a TTM table (TiedTTHead, not an nn.Linear): its cost-model order vs a dense V x C GEMM.
+    heads = [m for m in model.modules() if isinstance(m, TiedTTHead)]
+    forward = tt_flops + _linear_flops(model) + attn + sum(h.flops_per_token() for h in heads)
+    forward_dense = dense_tt_flops + _linear_flops(model) + attn + sum(2 * h.in_features * h.out_features
+                                                                        for h in heads)
 
     sizes = solve_batch_sizes(cfg.deepspeed, world_size)
     lrs = [g["lr"] for g in param_groups(model, cfg.comera.lr)]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_dist.compression.config import ComeraConfig, TensorizeConfig
-from comera_dist.layers import TTEmbedding, TTLinear
+from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
 from comera_dist.models import ModelConfig, build_model, tensorized_modules
 from comera_dist.models.factory import FULL_RANK, tt_from_embedding, tt_from_linear
 
@@ -57,9 +57,13 @@ def test_each_kind_is_tensorized_separately(flags):
     assert ({f"blocks.{i}.attn.{p}" for i in range(2) for p in ("query", "key", "value", "out")} <= names) \
         == flags["attention"]
     assert ({f"blocks.{i}.ffn.{p}" for i in range(2) for p in ("inp", "out")} <= names) == flags["ffn"]
-    assert isinstance(model.lm_head, nn.Linear)
-    # A TT table cannot be shared with the head: tied only when the table is dense.
-    assert (model.lm_head.weight is getattr(model.word, "weight", None)) == (not flags["embedding"])
+    # Tied either way: a dense head shares a dense table; a TTM table gets a TiedTTHead on its cores.
+    if flags["embedding"]:
+        assert isinstance(model.lm_head, TiedTTHead) and model.lm_head.embedding is model.word
+    else:
+        assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.word.weight
+    untied = build_model(tiny("gpt", tie_word_embeddings=False), spec)
+    assert isinstance(untied.lm_head, nn.Linear) and untied.lm_head.weight is not getattr(untied.word, "weight", None)
 
 
 def test_modes_override_per_kind_and_disabled_section():
@@ -148,10 +152,14 @@ def test_full_rank_tt_model_equals_its_dense_twin(arch):
         new = tt_from_embedding(src, SPEC, max_rank=FULL_RANK) if isinstance(mod, TTEmbedding) \
             else tt_from_linear(src, SPEC, "attention", max_rank=FULL_RANK)
         tt.set_submodule(name, new)
-    if arch != "six_encoder_cls":  # the TT model's head is untied; give it the dense table
-        head = tt.head.decoder if arch == "bert_mlm" else tt.lm_head
-        head.weight = nn.Parameter(dense.state_dict()[("head.decoder" if arch == "bert_mlm" else "lm_head")
-                                                      + ".weight"].clone())
+    if arch != "six_encoder_cls":  # the tied head must follow the swapped-in table (a TiedTTHead on its cores)
+        word = "embeddings.word" if arch == "bert_mlm" else "word"
+        head_name = "head.decoder" if arch == "bert_mlm" else "lm_head"
+        old = tt.get_submodule(head_name)
+        head = TiedTTHead(tt.get_submodule(word), bias=old.bias is not None)
+        if old.bias is not None:
+            head.bias = old.bias
+        tt.set_submodule(head_name, head)
     ids = batch()
     torch.testing.assert_close(tt(ids)["logits"], dense(ids)["logits"], rtol=1e-9, atol=1e-9)
 

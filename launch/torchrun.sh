@@ -4,20 +4,22 @@
 #   --dry-run   print the torchrun command and exit
 # env:   NPROC (processes per node, default: the node's GPUs, or 2 on CPU), NNODES (default 1), NODE_RANK
 #        (default 0), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500),
-#        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh)
+#        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
+#        TORCHRUN (default torchrun; e.g. "python3 -m torch.distributed.run" where no torchrun is on PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -gt 0 ] || { sed -n '3,7p' "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n '3,8p' "$0" >&2; exit 2; }
 
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
 NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
 
 # --max-restarts 0: a dead rank ends the job (torchrun then stops the other ranks) instead of
 # restarting it into a group whose peers are mid-collective; Slurm requeue handles restarts.
-cmd=(torchrun --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
+# shellcheck disable=SC2206
+cmd=(${TORCHRUN:-torchrun} --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
      --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --max-restarts 0
      launch/train.py "$@")
 if [ "$DRY_RUN" = 1 ]; then echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0; fi

@@ -184,6 +184,9 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
                 log.warning("step %d: non-finite loss, step skipped (%d in a row, %d in total)",
                             step, guard.consecutive, guard.total)
             if session.maybe_prune(step):
+                if info.rank == 0:
+                    log.info("step %d: physical prune, engine rebuilt (total bond size %d)", step,
+                             sum(sum(d) for d in session.bond_dims().values()))
                 faults.attach(session.module)  # the rebuilt engine holds a new module
                 _maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)

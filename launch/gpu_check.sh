@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The GPU acceptance check: everything the GPU path must do, bounded, with a summary, JSON and logs.
+# usage: launch/gpu_check.sh [--dry-run] OUTDIR [--cpu-smoke]
+#   OUTDIR       logs/, env.json, results.tsv, summary.json, kernels.json, six-encoder.json land here
+#   --cpu-smoke  the same steps on this machine's CPU at tiny sizes (CI runs it to test this script)
+#   --dry-run    print the steps and exit
+# env: PYTHON (default: .venv/bin/python, else python3), WHEELS (default .whl, from launch/gpu_wheels.sh),
+#      COMERA_CHECK_WORK (runs + data cache; default /tmp/comera-check-$$), COMERA_CHECK_BUDGET_S (whole check,
+#      default 470 on GPU, 600 on CPU), COMERA_CHECK_NPROC (trainer processes, default: every visible GPU, 1 on CPU)
+# Steps: env (installs missing wheels with pip --no-index --target), native kernel tests (TRITON_INTERPRET=0),
+# per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
+# resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
+# six-encoder. Each step is bounded by `timeout` and by what is left of the budget; a failed step does
+# not stop the others. Exit 0 only if every step passed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
+[ $# -ge 1 ] || { sed -n '3,16p' "$0" >&2; exit 2; }
+OUT=$1; shift
+MODE=gpu
+if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
+[ $# -eq 0 ] || { echo "gpu_check: unexpected arguments: $*" >&2; exit 2; }
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi
+fi
+WORK=${COMERA_CHECK_WORK:-/tmp/comera-check-$$}
+WHEELS=${WHEELS:-.whl}
+SITE=$WORK/site
+export COMERA_CACHE=${COMERA_CACHE:-$WORK/cache}
+export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# torchrun from the interpreter we check (the lent machine may have no torchrun on PATH)
+export TORCHRUN="$PYTHON -m torch.distributed.run"
+
+if [ "$MODE" = gpu ]; then
+  export DS_ACCELERATOR=cuda TRITON_INTERPRET=0
+  BUDGET=${COMERA_CHECK_BUDGET_S:-470}
+  NPROC=${COMERA_CHECK_NPROC:-$({ nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)}
+  # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
+  SIZE=(--set data.max_files=120 --set deepspeed.micro_batch_size_per_gpu=16)
+  STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
+  KERNEL_TESTS=(-m pytest -q -p no:cacheprovider -m gpu tests/kernels)
+  BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
+  BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 32 --steps 10)
+  T_KTEST=150 T_RUN=90 T_BENCH=120
+else
+  export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  BUDGET=${COMERA_CHECK_BUDGET_S:-600}
+  NPROC=${COMERA_CHECK_NPROC:-1}
+  SIZE=(--set model.hidden_size=32 --set model.intermediate_size=64 --set model.num_layers=1
+        --set model.num_heads=2 --set model.vocab_size=512 --set data.tokenizer.vocab_size=512
+        --set data.max_files=30 --set data.seq_len=32 --set deepspeed.micro_batch_size_per_gpu=4
+        --set comera.tensorize.max_rank=4 --set comera.tensorize.embedding_max_rank=4 --set metrics.report=false)
+  STEPS=9 CKPT=6 PRUNE=3 LATE=2 TOL=1e-6
+  # the dispatch tests in the interpreter: the script's plumbing, not the kernels' coverage (CI has that)
+  KERNEL_TESTS=(-m pytest -q -p no:cacheprovider tests/kernels/test_dispatch.py -k "not without_the_interpreter")
+  BENCH_KERNELS=(-m comera_dist.bench kernels --allow-cpu --tokens 32 --steps 1)
+  BENCH_SIX=(-m comera_dist.bench six-encoder --smoke --batch-sizes 1 --steps 1)
+  T_KTEST=120 T_RUN=120 T_BENCH=90
+fi
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" >&2; exit 2; }
+
+# The run: bf16 (fp32 masters), the late stage from step LATE, a physical prune every PRUNE steps with a
+# high gate threshold and gate lr so ranks really die in a short run (a low target loss keeps lambda at 0,
+# so the late stage does not drive every gate below tau at once), a checkpoint every CKPT steps, every
+# step logged.
+TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.precision=bf16
+       --set train.steps=$STEPS --set train.checkpoint_every=$CKPT --set train.eval_every=$CKPT
+       --set train.eval_batches=2 --set train.log_every=1 --set comera.controller.late_stage_step=$LATE
+       --set comera.controller.tau=0.97 --set comera.lr.gates=0.02 --set comera.controller.target_loss=3.0
+       --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
+       --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
+
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder"
+if [ "$DRY_RUN" = 1 ]; then
+  echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
+  echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
+  exit 0
+fi
+
+mkdir -p "$OUT/logs" "$WORK"
+OUT=$(cd "$OUT" && pwd)
+: > "$OUT/results.tsv"
+START=$(date +%s)
+
+# run_step NAME LIMIT_S CMD...: bounded by LIMIT_S and the budget left; records rc and seconds.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - ($(date +%s) - START)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  local log="$OUT/logs/$name.log" t0 rc
+  t0=$(date +%s%N)
+  if [ "$limit" -le 5 ]; then
+    echo "skipped: the ${BUDGET}s budget is spent" > "$log"; rc=124
+  else
+    echo "== $name (limit ${limit}s): $*" | tee "$log"
+    set +e
+    timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    set -e
+  fi
+  local ms=$((($(date +%s%N) - t0) / 1000000))
+  printf '%s\t%s\t%d.%03d\t%s\n' "$name" "$rc" $((ms / 1000)) $((ms % 1000)) "logs/$name.log" >> "$OUT/results.tsv"
+  echo "   -> rc $rc"
+  return 0
+}
+
+env_step() {
+  if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PYTHON" launch/gpu_check.py install "$WHEELS" "$SITE"
+  else
+    echo "no wheels in $WHEELS (launch/gpu_wheels.sh makes them); using what is installed"
+  fi
+  "$PYTHON" launch/gpu_check.py env "$OUT" "$MODE"
+}
+
+pretrain_step() {  # run A to STEPS, run B resumed from A's step-CKPT checkpoint to STEPS; B must match A
+  local stage=$1 a="$WORK/z$1-a" b="$WORK/z$1-b" port=$((29600 + $1))
+  rm -rf "$a" "$b"
+  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" \
+    --set train.output_dir="$a" --resume none > "$OUT/logs/pretrain-z$stage-a.log" 2>&1 \
+    || { echo "run A failed: logs/pretrain-z$stage-a.log"; tail -20 "$OUT/logs/pretrain-z$stage-a.log"; return 1; }
+  grep -E "physical prune|step $CKPT/|resumed" "$OUT/logs/pretrain-z$stage-a.log" | head -5
+  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" \
+    --set train.output_dir="$b" --resume "$a/checkpoints/step$(printf %08d "$CKPT")" \
+    > "$OUT/logs/pretrain-z$stage-b.log" 2>&1 \
+    || { echo "run B failed: logs/pretrain-z$stage-b.log"; tail -20 "$OUT/logs/pretrain-z$stage-b.log"; return 1; }
+  "$PYTHON" launch/gpu_check.py resume "$OUT/logs/pretrain-z$stage-a.log" "$OUT/logs/pretrain-z$stage-b.log" \
+    "$a" "$CKPT" "$STEPS" "$TOL"
+}
+
+export -f env_step pretrain_step
+export PYTHON WHEELS SITE OUT MODE WORK NPROC STEPS CKPT TOL
+TRAIN_Q=$(printf '%q ' "${TRAIN[@]}")
+export TRAIN_Q
+
+echo "gpu_check: $MODE, $NPROC trainer process(es), budget ${BUDGET}s, work $WORK, results $OUT"
+run_step env 120 bash -c env_step
+run_step kernel-tests "$T_KTEST" "$PYTHON" "${KERNEL_TESTS[@]}"
+for stage in 1 2 3; do
+  run_step "pretrain-z$stage" $((2 * T_RUN)) bash -c "eval \"TRAIN=(\$TRAIN_Q)\"; pretrain_step $stage"
+done
+run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"
+run_step bench-six-encoder "$T_BENCH" "$PYTHON" "${BENCH_SIX[@]}" --json "$OUT/six-encoder.json"
+"$PYTHON" launch/gpu_check.py summary "$OUT"

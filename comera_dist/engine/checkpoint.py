@@ -222,7 +222,8 @@ def choose(spec: str, root: Path) -> Path | None:
     """The checkpoint to resume from, verified on every rank (collective); None for a fresh start.
 
     ``none`` -> None. ``auto`` -> the newest checkpoint under ``root`` that verifies on every rank
-    (each skipped one is logged with its reasons), or None. A path -> that checkpoint (or, for a
+    (each skipped one is logged with its reasons); None when there is none at all, an error when
+    there are some but none verifies. A path -> that checkpoint (or, for a
     checkpoints root, ``auto`` inside it); a path that fails verification raises ``CheckpointError``
     naming the file.
     """
@@ -232,13 +233,17 @@ def choose(spec: str, root: Path) -> Path | None:
     if spec != "auto" and path.is_dir() and not is_complete(path) and candidates_auto(path):
         spec, root = "auto", path  # a checkpoints root was given
     if spec == "auto":
-        for candidate in candidates_auto(root):
+        tried = candidates_auto(root)
+        for candidate in tried:
             problems = _agree(check(candidate))
             if not problems:
                 return candidate
             if dist.get_rank() == 0:
                 log.warning("resume auto: skipping checkpoint %s, it does not verify:\n  %s", candidate,
                             "\n  ".join(problems))
+        if tried:  # starting over would silently discard the run: let the user decide
+            raise CheckpointError(f"resume auto: none of the {len(tried)} checkpoints under {root} verifies (see "
+                                  "the log for each); pass --resume none to start over or --resume PATH")
         return None
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")

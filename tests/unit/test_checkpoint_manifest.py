@@ -27,19 +27,28 @@ def _checkpoint(root, step: int, files: dict[str, bytes]):
 def test_manifest_lists_every_file_and_catches_flip_truncation_missing(tmp_path):
     path = _checkpoint(tmp_path, 1, {"a.pt": bytes(range(256)) * 40, "sub/b.pt": b"xyz"})
     found = manifest.read(path)
-    assert set(found["files"]) == {"a.pt", "sub/b.pt", ckpt.META} and found["algorithm"] == "sha256"
+    assert set(found["files"]) == {"a.pt", "sub/b.pt", ckpt.META} and found["algorithm"] == "xxh3_128"
     assert found["files"]["a.pt"]["size"] == 10240
     assert manifest.verify(path, found) == [] and ckpt.check(path) == []
 
     data = bytearray((path / "a.pt").read_bytes())
     data[5000] ^= 0x01  # one bit
     (path / "a.pt").write_bytes(bytes(data))
-    assert ckpt.check(path) == [f"{path / 'a.pt'}: sha256 digest differs from the manifest (corrupted)"]
+    assert ckpt.check(path) == [f"{path / 'a.pt'}: xxh3_128 digest differs from the manifest (corrupted)"]
     (path / "a.pt").write_bytes(bytes(data[:100]))
     assert "a.pt: size 100 bytes, the manifest says 10240" in ckpt.check(path)[0]
     (path / "sub" / "b.pt").unlink()
     problems = ckpt.check(path)
     assert len(problems) == 2 and problems[1] == f"{path / 'sub' / 'b.pt'}: missing (listed in the manifest)"
+
+
+def test_sha256_manifest_still_verifies(tmp_path):
+    path = _checkpoint(tmp_path, 3, {"a.pt": b"abc" * 100})
+    files = {"a.pt": {"size": 300, "digest": manifest.digest(path / "a.pt", "sha256")}}
+    found = {"format": 1, "tag": path.name, "algorithm": "sha256", "files": files}
+    assert manifest.verify(path, found) == []
+    (path / "a.pt").write_bytes(b"abd" * 100)
+    assert manifest.verify(path, found) == [f"{path / 'a.pt'}: sha256 digest differs from the manifest (corrupted)"]
 
 
 def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, caplog):

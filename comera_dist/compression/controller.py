@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from comera_dist.compression.config import ControllerConfig
@@ -96,8 +97,10 @@ class RankController:
 
         task_loss: this rank's 0-d task loss L (with graph); penalty: the 0-d rank penalty R;
         global_loss / global_size: L and S all-reduced over ranks (plain numbers), which
-        decide lambda in the late stage.
+        decide lambda in the late stage. The combination is computed in fp32 (or wider) whatever
+        the dtype of the losses: a bf16 task loss (DeepSpeed bf16) is not rounded again with the penalty.
         """
+        task_loss, penalty = _at_least_fp32(task_loss), _at_least_fp32(penalty)
         if self.state.stage == "early":
             return task_loss + self.cfg.gamma * penalty
         lam = self.decide_lambda(global_loss, global_size)
@@ -124,6 +127,10 @@ class RankController:
         if new.stage == "late" and new.target_size is None:
             raise ValueError("RankController.load_state_dict: late stage without target_size")
         self.state = new
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32)) if isinstance(t, Tensor) else t
 
 
 def _check_global(global_loss: float, global_size: int) -> None:

@@ -15,14 +15,19 @@ import torch
 from torch import Tensor, nn
 
 from comera_dist.compression.walk import tensorized_modules
+from comera_dist.layers.base import gate_alive
 
 
-def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] | float | Tensor) -> Tensor:
+def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] | float | Tensor, *,
+                       working_dtype: torch.dtype | None = None) -> Tensor:
     """R from explicit gate vectors (e.g. gathered from ZeRO-3 partitions by the engine).
 
     gates: one 1-D tensor per interior bond (any layers, any order); taus: one threshold per
     gate vector, or a single threshold for all. Returns a 0-d tensor, differentiable w.r.t.
     the gates. With no surviving gate at all R is 0 (still attached to the graph).
+    ``working_dtype``: the gates are fp32 masters of working gates of that dtype; the surviving
+    set is decided on the working values (``layers.base.gate_alive``), as the forward decides it.
+    The arithmetic (sums, count) is in fp32 or wider whatever the gates' dtype.
 
     Gates of one length (and dtype, device) are stacked and thresholded together: a handful of
     ops per length instead of several per gate (a six-encoder has 183 gates of 2 lengths).
@@ -43,13 +48,13 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
         if not isinstance(tau, Tensor) and not tau > 0:
             raise ValueError(f"penalty_from_gates: tau for gates[{i}] must be > 0, got {tau}")
         classes.setdefault((g.shape[0], g.dtype, g.device), []).append(i)
-    total = gates[0].new_zeros(())
-    count = gates[0].new_zeros(())
+    total = gates[0].new_zeros((), dtype=torch.promote_types(gates[0].dtype, torch.float32))
+    count = gates[0].new_zeros((), dtype=total.dtype)
     for (_, _, device), idx in classes.items():
         g = torch.stack([gates[i] for i in idx])  # (n, r) gates of one length
         tau = _stack_taus([taus[i] for i in idx], device)  # (n, 1)
-        alive = g > tau  # (n, r) bool
-        total = total + (g * alive).sum()  # () sum of m(g)
+        alive = gate_alive(g, tau, working_dtype)  # (n, r) bool
+        total = total + (g * alive).sum(dtype=torch.promote_types(g.dtype, torch.float32))  # () sum of m(g)
         count = count + alive.sum()  # () surviving entries, no gradient
     return total / count.clamp(min=1)
 

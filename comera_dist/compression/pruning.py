@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from comera_dist.compression.config import PruningConfig
 from comera_dist.compression.walk import tensorized_modules
+from comera_dist.layers.base import gate_alive
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,8 +121,11 @@ def plan_to_bond_dims(model: nn.Module, dims: dict[str, list[int]]) -> PruningPl
     return PruningPlan(kept=kept, bond_dims=have)
 
 
-def make_plan(model: nn.Module, min_rank: int = 1) -> PruningPlan:
+def make_plan(model: nn.Module, min_rank: int = 1, *, working_dtype: torch.dtype | None = None) -> PruningPlan:
     """Plan to keep, on every bond, the ranks whose gate exceeds the layer's ``tau``.
+
+    ``working_dtype``: ``model`` holds fp32 masters of gates that train in that dtype (bf16); the
+    plan keeps exactly the ranks the forward keeps (``layers.base.gate_alive``).
 
     A bond never keeps fewer than ``min_rank`` ranks (or its whole size if smaller): when
     too few gates survive, the largest gates are kept. Bonds that lose nothing are omitted.
@@ -134,7 +138,7 @@ def make_plan(model: nn.Module, min_rank: int = 1) -> PruningPlan:
         dims[name] = list(layer.bond_dims())
         for bond, gate in enumerate(layer.gates):
             g = gate.detach()  # (r_k,)
-            alive = torch.nonzero(g > layer.tau).flatten()  # (a,) ascending
+            alive = torch.nonzero(gate_alive(g, layer.tau, working_dtype)).flatten()  # (a,) ascending
             floor = min(min_rank, g.numel())
             if alive.numel() < floor:
                 alive = torch.sort(torch.topk(g, floor).indices).values  # (floor,)

@@ -124,6 +124,9 @@ class PenaltyHook:
 
     def __init__(self, model: nn.Module) -> None:
         self.gates = gate_refs(model)
+        # R is computed from the fp32 masters but its surviving set is the working gates' (bf16 under
+        # DeepSpeed bf16), so that R, S (layer.ranks()), the forward mask and the plan agree near tau.
+        self.working_dtype = self.gates[0].param.dtype if self.gates else None
 
     @property
     def active(self) -> bool:
@@ -136,7 +139,8 @@ class PenaltyHook:
             return 0.0
         with torch.no_grad():
             values = [full_fp32(ref.param) for ref in self.gates]
-            return float(penalty_from_gates(values, [ref.tau for ref in self.gates]))
+            return float(penalty_from_gates(values, [ref.tau for ref in self.gates],
+                                            working_dtype=self.working_dtype))
 
     def proxy(self) -> Tensor:
         """A fresh 0-d leaf holding R; after backward its ``.grad`` is ``d objective / d R``."""
@@ -151,7 +155,7 @@ class PenaltyHook:
         if not self.active or coef == 0.0 or not math.isfinite(coef):
             return
         values = [full_fp32(ref.param).requires_grad_(True) for ref in self.gates]  # each (r_k,)
-        penalty = penalty_from_gates(values, [ref.tau for ref in self.gates])
+        penalty = penalty_from_gates(values, [ref.tau for ref in self.gates], working_dtype=self.working_dtype)
         grads = torch.autograd.grad(penalty, values, allow_unused=True)
         for ref, d_r in zip(self.gates, grads):
             if d_r is None:

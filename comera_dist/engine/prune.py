@@ -120,13 +120,17 @@ def load_full_state(model: nn.Module, state: FullState) -> None:
             t.copy_(source[name])
 
 
-def prune_full_state(model: nn.Module, state: FullState, min_rank: int) -> PruningPlan | None:
+def prune_full_state(model: nn.Module, state: FullState, min_rank: int, *,
+                     working_dtype: torch.dtype | None = None) -> PruningPlan | None:
     """Plan on ``model`` (holding ``state``) and slice it in place; returns None when nothing dies.
+
+    ``working_dtype``: the dtype the engine's module gates train in (bf16 under DeepSpeed bf16);
+    the fp32 masters in ``state`` are judged as that working copy, like the forward mask does.
 
     The moments in ``state`` are sliced to the new shapes alongside (through a plain AdamW,
     so exactly the rows/columns ``apply_plan`` keeps survive).
     """
-    plan = make_plan(model, min_rank=min_rank)
+    plan = make_plan(model, min_rank=min_rank, working_dtype=working_dtype)
     if plan.is_empty():
         return None
     named = dict(model.named_parameters())

@@ -291,7 +291,7 @@ class TrainSession:
         # (apply_plan indexes the moments with index tensors made on the gates' device).
         model = model_at_shapes(self.factory, self.plans).to(self.device)
         load_full_state(model, state)
-        plan = prune_full_state(model, state, p.min_rank)
+        plan = prune_full_state(model, state, p.min_rank, working_dtype=self.penalty.working_dtype)
         if plan is None:
             return False
         self.plans.append(plan)

@@ -14,6 +14,22 @@ import torch
 from torch import Tensor, nn
 
 
+def gate_alive(g: Tensor, tau: Tensor | float, working_dtype: torch.dtype | None = None) -> Tensor:
+    """The one rule deciding which ranks survive: ``g > tau``, compared in fp32 (bool, ``g``'s shape).
+
+    Under mixed precision a gate exists twice: the fp32 master (optimizer) and the working copy the
+    forward multiplies with (bf16 under DeepSpeed bf16), which is the master rounded to bf16. The
+    working copy is the truth, because it is what the model computes with: the forward mask, the
+    active ranks (S), the penalty's surviving set (R) and the pruning plan all use it. Code holding
+    a master passes ``working_dtype`` (the module gate's dtype) so the master is rounded the way
+    DeepSpeed rounds it before the comparison. ``tau`` is kept in fp32 by the layers.
+    """
+    if working_dtype is not None:
+        g = g.to(working_dtype)
+    cmp = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gates (references)
+    return g.to(cmp) > (tau.to(cmp) if isinstance(tau, Tensor) else float(tau))
+
+
 class TensorizedModule(nn.Module):
     """Base of ``TTLinear`` and ``TTEmbedding``; subclasses set the cores and the accounting."""
 
@@ -36,11 +52,21 @@ class TensorizedModule(nn.Module):
         return self._mask(self.gates)
 
     def _mask(self, gates: Any) -> list[Tensor]:
-        return [g * (g > self.tau) for g in gates]
+        return [g * gate_alive(g, self.tau) for g in gates]  # keeps g's dtype (bf16 stays bf16)
 
     def ranks(self) -> list[int]:
-        """Active rank ``#(g_k > tau)`` of every interior bond."""
-        return [int((g.detach() > self.tau).sum()) for g in self.gates]
+        """Active rank ``#(g_k > tau)`` of every interior bond (compared in fp32, see ``gate_alive``)."""
+        return [int(gate_alive(g.detach(), self.tau).sum()) for g in self.gates]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:
+        """``.to(dtype)``/``.bfloat16()``/DeepSpeed's bf16 cast move ``tau`` but keep it fp32: the
+        threshold must be the same number for the working gates, the fp32 masters and the plan."""
+        before = self._buffers.get("tau")
+        out = super()._apply(fn, recurse)
+        tau = self._buffers.get("tau")
+        if tau is not None and tau.dtype != torch.float32:  # the fp32 value, not the rounded one, moved
+            self._buffers["tau"] = before.detach().to(device=tau.device, dtype=torch.float32)
+        return out
 
     def bond_dims(self) -> list[int]:
         """Physical size of every interior bond (what the cores store)."""

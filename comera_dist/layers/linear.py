@@ -132,7 +132,7 @@ class TTLinear(TensorizedModule):
             raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
-        order = "lr" if factors is not None else self.chosen_order(x2d.shape[0])
+        order = "lr" if factors is not None else self.chosen_order(x2d.shape[0], _activation_bytes(x2d))
         n = len(self.cores)
         if order == "lr":
             L, R = factors if factors is not None else \
@@ -146,7 +146,7 @@ class TTLinear(TensorizedModule):
                                    *self.cores, *self.gates)
                 y = x2d @ W  # (T, N_out)
             if self.bias is not None:
-                y = y + self.bias
+                y = y + self.bias.to(y.dtype)  # an fp32 bias must not promote a bf16 (autocast) output
         return y.reshape(*lead, self.out_features)
 
     def _halves(self, *params: Tensor) -> tuple[Tensor, Tensor]:
@@ -155,11 +155,13 @@ class TTLinear(TensorizedModule):
         cores, masks = list(params[:n]), self._mask(params[n:])
         return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
 
-    def chosen_order(self, tokens: int) -> str:
-        """The contraction order ``forward`` uses for ``tokens`` tokens."""
+    def chosen_order(self, tokens: int, bytes_per_element: int = 4) -> str:
+        """The contraction order ``forward`` uses for ``tokens`` tokens of ``bytes_per_element``-byte
+        activations (2 under bf16/fp16: the saved activations weigh half as much)."""
         if self._order != "auto":
             return self._order
-        return choose_order(tokens, self.in_modes, self.out_modes, self.full_ranks(active=False)).name
+        return choose_order(tokens, self.in_modes, self.out_modes, self.full_ranks(active=False),
+                            bytes_per_element=bytes_per_element).name
 
     # ---- accounting ----------------------------------------------------------------------------
 
@@ -189,3 +191,10 @@ class TTLinear(TensorizedModule):
 def _check_pos(name: str, v: object) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def _activation_bytes(x: Tensor) -> int:
+    """Bytes per element of the activations autograd saves: autocast's dtype when it is on."""
+    if x.is_floating_point() and x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type).itemsize
+    return x.element_size()

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from comera_dist.tensor.tt import chain, scale_bonds
+from comera_dist.tensor.tt import build_precision, chain, scale_bonds
 
 
 def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -110,6 +110,15 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
     as ``contract_left``) and ``R (G, r_d, N_out)`` (as ``contract_right``).
     """
     G = cores[0].shape[0]
+    out_dtype = cores[0].dtype
+    work, no_autocast = build_precision(cores[0])  # fp32 build under bf16 (see tt.build_precision)
+    with no_autocast:
+        cores, masks = [c.to(work) for c in cores], [m.to(work) for m in masks]
+        left, right = _halves_batched(cores, masks, d, G)
+    return left.to(out_dtype), right.to(out_dtype)
+
+
+def _halves_batched(cores: list[Tensor], masks: list[Tensor], d: int, G: int) -> tuple[Tensor, Tensor]:
     scaled = [c * masks[k][:, None, None, :] if k < len(masks) else c for k, c in enumerate(cores)]
 
     def run(chain_cores: list[Tensor]) -> Tensor:
@@ -152,8 +161,18 @@ def ttm_split(num_cores: int) -> int:
 
 
 def _ttm_chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
-    """Contract 4-way TTM cores: returns ``(r_0, M, N, r_last)``; ``masks[k]`` scales core k's right bond."""
-    cores = scale_bonds(cores, masks)
+    """Contract 4-way TTM cores: returns ``(r_0, M, N, r_last)``; ``masks[k]`` scales core k's right bond.
+
+    Built in fp32 or wider (``tt.build_precision``), returned in the cores' dtype."""
+    out_dtype = cores[0].dtype
+    work, no_autocast = build_precision(cores[0])
+    with no_autocast:
+        masks = None if masks is None else [m.to(work) for m in masks]
+        z = _ttm_chain_in(scale_bonds([c.to(work) for c in cores], masks))
+    return z.to(out_dtype)
+
+
+def _ttm_chain_in(cores: list[Tensor]) -> Tensor:
     z = cores[0]  # (r0, m, n, r1)
     for c in cores[1:]:  # c: (r, m, n, r')
         a, M, N = z.shape[0], z.shape[1], z.shape[2]

@@ -50,12 +50,29 @@ def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
     smallest tensor touching the bond; ``len(masks) == len(cores)`` also scales the trailing bond
     (the left half of a split carries the middle mask this way).
     """
-    cores = scale_bonds(cores, masks)
-    z = cores[0]  # (r0, n_1, r_1)
-    r0 = z.shape[0]
-    for c in cores[1:]:  # c: (r, n, r')
-        z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[-1])  # (r0, P*n, r')
-    return z
+    out_dtype = cores[0].dtype
+    work, no_autocast = build_precision(cores[0])
+    with no_autocast:
+        cores = scale_bonds([c.to(work) for c in cores], None if masks is None else [m.to(work) for m in masks])
+        z = cores[0]  # (r0, n_1, r_1)
+        r0 = z.shape[0]
+        for c in cores[1:]:  # c: (r, n, r')
+            z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[-1])  # (r0, P*n, r')
+    return z.to(out_dtype)
+
+
+def build_precision(like: Tensor) -> tuple[torch.dtype, torch.autocast]:
+    """How to run a batch-independent build (L, R, TTM halves, a dense W): ``(dtype, context)`` =
+    fp32 or wider, and a context that turns autocast off (a plain object: torch.compile traces it).
+
+    Under bf16 (DeepSpeed's bf16 module cast, or ``torch.autocast``) a chain of small core products
+    would round every partial product to 8 mantissa bits; the build is tiny next to the per-token
+    work, so it runs in fp32 with autocast off, and the caller casts the result back to the cores'
+    dtype (under autocast the per-token matmul then casts as usual).
+    """
+    work = torch.promote_types(like.dtype, torch.float32)
+    device_type = like.device.type if like.device.type in ("cpu", "cuda") else "cpu"  # meta: nothing to undo
+    return work, torch.autocast(device_type, enabled=False)
 
 
 def scale_bonds(cores: list[Tensor], masks: list[Tensor] | None) -> list[Tensor]:

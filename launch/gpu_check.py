@@ -149,7 +149,7 @@ def env_info(outdir: str, mode: str) -> int:
         info["cuda"] = torch.version.cuda
         info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         info["gpus"] = torch.cuda.device_count()
-    except Exception as e:  # the summary still names what is broken
+    except Exception as e:  # noqa: BLE001 - the summary still names what is broken
         info["torch_error"] = repr(e)
     for name in ("deepspeed", "triton", "transformers", "datasets", "galore-torch"):
         try:
@@ -159,7 +159,7 @@ def env_info(outdir: str, mode: str) -> int:
     for module in ("deepspeed", "datasets", "galore_torch"):
         try:
             __import__(module)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any import failure is what the env step reports
             info.setdefault("import_errors", {})[module] = repr(e)[:300]
     Path(outdir, "env.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info))

@@ -10,6 +10,7 @@ evaluation, a physical prune and rebuild, the stop-flag agreement and the peak-m
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from dist_helpers import run_ranks
@@ -63,4 +64,4 @@ def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path)
         # probe + real pass for 3 steps x 2 micro-batches, and 2 evaluation batches
         assert r["forwards"] >= 3 * 2 * 2 + 2
         assert r["collectives"] > 0 and r["agreed"] is False and r["peak"] > 0
-        assert all(v == v for v in r["losses"]) and r["val"][0] == r["val"][0]
+        assert all(math.isfinite(v) for v in r["losses"]) and math.isfinite(r["val"][0])

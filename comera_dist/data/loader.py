@@ -10,7 +10,9 @@ number of ranks continues with the same unseen blocks, re-sliced.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import datasets
@@ -26,9 +28,16 @@ class PackedLoader:
     """Endless iterator of collated batches ``dict(input_ids, attention_mask, labels)``, each ``(B, L)``."""
 
     def __init__(self, dataset: datasets.Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 collator: Collator, drop_last: bool = True) -> None:
+                 collator: Collator, drop_last: bool = True, prefetch: bool = False,
+                 pin_memory: bool = False) -> None:
         """``drop_last=False`` completes an epoch's last global batch with blocks from the start of the
-        same epoch's order (seen twice), so every rank still gets full, equally many batches."""
+        same epoch's order (seen twice), so every rank still gets full, equally many batches.
+
+        ``prefetch``: a background thread reads and collates the next batch while the caller trains
+        on this one (MLM masking then leaves the main thread, which issues the GPU's kernels). A batch
+        is a pure function of the position, so prefetching changes no batch and no ``state_dict``.
+        ``pin_memory``: batches come in page-locked host memory (CUDA only), so the engine's
+        ``non_blocking`` copy to the GPU is asynchronous."""
         _check(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
         _check(world_size >= 1 and 0 <= rank < world_size, f"rank={rank} not in [0, world_size={world_size})")
         global_batch = batch_size * world_size
@@ -39,6 +48,10 @@ class PackedLoader:
         self.collator, self.drop_last = collator, drop_last
         self.epoch, self.position, self.step = 0, 0, 0
         self._perm: tuple[int, Tensor] | None = None
+        self._perm_lock = threading.Lock()
+        self.pin_memory = pin_memory
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="comera-prefetch") if prefetch else None
+        self._ahead: tuple[tuple[int, int, int], Future] | None = None  # (state it was made for, batch)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -50,19 +63,45 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, Tensor]:
+        state = self._start(self.epoch, self.position, self.step)
+        if self._ahead is not None and self._ahead[0] == state:
+            batch = self._ahead[1].result()
+        else:  # no prefetch, or the state moved (load_state_dict): make it here
+            batch = self._batch_at(*state)
+        self._ahead = None
+        self.epoch, self.position, self.step = state[0], state[1] + self.batch_size * self.world_size, state[2] + 1
+        if self._pool is not None:
+            nxt = self._start(self.epoch, self.position, self.step)
+            self._ahead = (nxt, self._pool.submit(self._batch_at, *nxt))
+        return batch
+
+    def _start(self, epoch: int, position: int, step: int) -> tuple[int, int, int]:
+        """Where the batch at this state starts: the next epoch when the current one is used up."""
         n, g = len(self.dataset), self.batch_size * self.world_size
-        if self.position >= n or (self.drop_last and self.position + g > n):
-            self.epoch, self.position = self.epoch + 1, 0
-        order = self._order(self.epoch)  # (n,)
-        ids = order[self.position:self.position + g]  # (<= g,)
+        if position >= n or (self.drop_last and position + g > n):
+            return epoch + 1, 0, step
+        return epoch, position, step
+
+    def _batch_at(self, epoch: int, position: int, step: int) -> dict[str, Tensor]:
+        """The batch at (epoch, position, step): a pure function of them (safe on the prefetch thread)."""
+        g = self.batch_size * self.world_size
+        order = self._order(epoch)  # (n,)
+        ids = order[position:position + g]  # (<= g,)
         if len(ids) < g:  # drop_last=False: wrap around to the start of this epoch's order
             ids = torch.cat([ids, order[:g - len(ids)]])
         mine = ids[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]  # (B,)
         blocks = torch.from_numpy(self.dataset[mine.numpy()]["input_ids"].astype(np.int64))  # (B, L)
-        gen = torch.Generator().manual_seed(batch_seed(self.seed, self.step, self.rank))
-        self.position += g
-        self.step += 1
-        return self.collator(blocks, gen)
+        gen = torch.Generator().manual_seed(batch_seed(self.seed, step, self.rank))
+        batch = self.collator(blocks, gen)
+        if self.pin_memory:
+            batch = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in batch.items()}
+        return batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it also stops with the process)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the iteration stands (plain ints), to be saved in a checkpoint."""
@@ -80,10 +119,11 @@ class PackedLoader:
         self.epoch, self.position, self.step = int(state["epoch"]), int(state["position"]), int(state["step"])
 
     def _order(self, epoch: int) -> Tensor:
-        if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(batch_seed(self.seed, epoch, -1))
-            self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
-        return self._perm[1]
+        with self._perm_lock:  # the prefetch thread and the caller may ask at once
+            if self._perm is None or self._perm[0] != epoch:
+                gen = torch.Generator().manual_seed(batch_seed(self.seed, epoch, -1))
+                self._perm = (epoch, torch.randperm(len(self.dataset), generator=gen))
+            return self._perm[1]
 
 
 def eval_batches(dataset: datasets.Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,

@@ -30,6 +30,7 @@ from comera_dist.data.loader import eval_batches
 from comera_dist.data.prepare import check_compat, evaluation_corpus
 from comera_dist.data.tokenizer import load_tokenizer
 from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine.device import batches_to_device
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.prune import model_at_shapes
@@ -132,7 +133,9 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     except DataError as e:
         raise InputError(str(e)) from e
     run = load_run(path)
-    loss_sum, correct, count = label_token_sums(run.model, batches, causal=isinstance(run.model, GPT))
+    device = next(run.model.parameters()).device  # the model's device: batches go through the one mover
+    loss_sum, correct, count = label_token_sums(run.model, batches_to_device(batches, device),
+                                                causal=isinstance(run.model, GPT))
     count = int(count)
     return {"checkpoint": str(run.path), "loss": loss_sum / count if count else math.nan,
             "accuracy": correct / count if count else math.nan, "masked_tokens": count,

@@ -22,6 +22,7 @@ from comera_dist.data.errors import DataError
 from comera_dist.data.loader import PackedLoader, eval_batches
 from comera_dist.data.prepare import PreparedData, check_compat, prepare_data
 from comera_dist.engine.config import solve_batch_sizes
+from comera_dist.engine.device import accelerator_device
 from comera_dist.engine.distributed import DistInfo
 from comera_dist.engine.errors import InputError
 
@@ -82,8 +83,10 @@ def build_run_data(cfg: RunConfig, info: DistInfo) -> RunData:
         prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
                                 show_progress=info.rank == 0, barrier=dist.barrier)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)
+        # Collation on a prefetch thread; pinned batches on CUDA, so the engine's copy is asynchronous.
         loader = PackedLoader(prepared.train, batch_size=sizes.micro_batch, rank=info.rank,
-                              world_size=info.world_size, seed=cfg.train.seed, collator=prepared.collator)
+                              world_size=info.world_size, seed=cfg.train.seed, collator=prepared.collator,
+                              prefetch=True, pin_memory=accelerator_device().type == "cuda")
         if len(prepared.validation) < info.world_size:
             raise DataError(f"the validation split has {len(prepared.validation)} blocks, fewer than the "
                             f"{info.world_size} ranks; raise data.validation_fraction or use more data")

@@ -56,3 +56,52 @@ def test_torchrun_defaults_to_one_process_per_gpu(tmp_path):
     r = subprocess.run(["launch/torchrun.sh", "--dry-run", "--config", "x.yaml"], cwd=REPO, env=env,
                        capture_output=True, text=True, check=True)
     assert "--nproc-per-node 4" in r.stdout and "DS_ACCELERATOR=cuda" in r.stderr
+
+
+def _wheel(path: Path, name: str, version: str) -> None:
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", f"{name}/__init__.py,,\n{dist}/METADATA,,\n{dist}/WHEEL,,\n{dist}/RECORD,,\n")
+
+
+def test_gpu_check_installs_only_missing_wheels_offline(tmp_path):
+    import sys
+
+    wheels, site = tmp_path / "whl", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(wheels, "comera_probe", "1.0")
+    _wheel(wheels, "torch", "0.0.1")  # installed (newer): must be kept, never shadowed
+    r = subprocess.run([sys.executable, "launch/gpu_check.py", "install", str(wheels), str(site)], cwd=REPO,
+                       capture_output=True, text=True, check=True)
+    assert (site / "comera_probe" / "__init__.py").exists() and not (site / "torch").exists(), r.stdout
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", "import comera_probe, galore_torch; print(comera_probe.VALUE)"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "42"  # and galore_torch imports (real or stub bitsandbytes)
+
+
+def test_gpu_check_resume_comparison_fails_on_a_diverging_run(tmp_path):
+    import json
+    import sys
+
+    def log(path, losses, extra=""):
+        path.write_text(extra + "".join(f"x INFO step {s}/4 train_loss {v} stage 1\n" for s, v in losses.items()))
+
+    run = tmp_path / "a"
+    (run / "checkpoints" / "step00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step00000002" / "comera_meta.json").write_text(json.dumps({"plans": ["{}"]}))
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    log(a, {1: 6.0, 2: 5.9, 3: 5.8, 4: 5.7}, "step 2: physical prune, engine rebuilt\n")
+    cmd = [sys.executable, "launch/gpu_check.py", "resume", str(a), str(b), str(run), "2", "4", "1e-6"]
+    log(b, {3: 5.8, 4: 5.7}, "resumed at step 2\n")
+    assert subprocess.run(cmd, cwd=REPO, capture_output=True, check=False).returncode == 0
+    log(b, {3: 5.8, 4: 5.75}, "resumed at step 2\n")  # diverges at step 4
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and "step 4" in r.stderr
+    log(b, {3: 5.8, 4: 5.7})  # never resumed: a fresh run that happens to match is not a resume
+    assert subprocess.run(cmd, cwd=REPO, capture_output=True, check=False).returncode == 1

@@ -1,10 +1,18 @@
 """The single point that decides which implementation of each TT op runs.
 
-``auto`` picks Triton for CUDA tensors of a dtype the kernels support (fp32, fp16, bf16) and
-the pure-PyTorch reference (``comera_dist.tensor.contract``) everywhere else. Tests force a path
-with ``use_backend("torch" | "triton")``; users can set ``COMERA_KERNELS``. Forcing ``triton``
-on CPU tensors runs the kernels in Triton's interpreter (needs ``TRITON_INTERPRET=1`` before
-triton is imported).
+``auto`` picks, per op and shape, whichever implementation ``bench kernels`` measured faster on
+the GPU; everything else, and every CPU tensor, runs the pure-PyTorch reference
+(``comera_dist.tensor.contract``). Tests force a path with ``use_backend("torch" | "triton")``;
+users can set ``COMERA_KERNELS``. Forcing ``triton`` on CPU tensors runs the kernels in Triton's
+interpreter (needs ``TRITON_INTERPRET=1`` before triton is imported).
+
+The measured rule (``FASTER_WITH_TRITON``, empty today): on one H200 (project at ae4e305,
+2026-11-26, ``docs/bench/kernels`` notes in ``docs/benchmarks.md``) ``bench kernels`` measured the
+fused TT linear at 0.32x the torch path (geometric mean over the paper's three layer shapes,
+4k and 16k tokens, fp32 and bf16, forward + backward; 1.42 ms fused vs 0.44 ms torch at
+768x3072, 16k tokens, bf16) and the fused lookup at 0.56x the naive chain. No shape was faster
+with Triton, so on CUDA ``auto`` runs the torch path for both ops. A shape enters the rule only
+with a measurement on a named card that shows the kernel ahead.
 
 Under ``torch.compile`` the choice is made when a graph is traced: the ``use_backend`` override
 is a module global, which Dynamo guards (changing it re-traces); ``COMERA_KERNELS`` is read at
@@ -42,12 +50,32 @@ def _requested() -> str:
     return name
 
 
-def resolve_backend(t: Tensor) -> str:
-    """The backend that runs for ``t`` (the op's float operand): ``"torch"`` or ``"triton"``."""
+FASTER_WITH_TRITON: dict[str, frozenset[tuple[str, tuple[int, ...], torch.dtype]]] = {
+    "tt_linear": frozenset(),
+    "ttm_lookup": frozenset(),
+}
+"""``op -> {(card name, shape key, dtype)}`` where ``bench kernels`` measured the Triton kernel
+faster than the torch path. Shape keys: ``(N_in, r, N_out)`` for ``tt_linear``, ``(M1, N1, r, M2,
+N2)`` for ``ttm_lookup``. Empty: on the H200 no measured shape was faster (module docstring)."""
+
+
+def resolve_backend(t: Tensor, op: str | None = None, shape: tuple[int, ...] | None = None) -> str:
+    """The backend that runs for ``t`` (the op's float operand): ``"torch"`` or ``"triton"``.
+
+    Under ``auto`` Triton runs only for CUDA tensors of a kernel dtype whose ``(card, shape,
+    dtype)`` is in ``FASTER_WITH_TRITON[op]``.
+    """
     name = _requested()
     if name == "auto":
-        return "triton" if t.is_cuda and t.dtype in TRITON_DTYPES else "torch"
+        if not (t.is_cuda and t.dtype in TRITON_DTYPES and op is not None and shape is not None):
+            return "torch"
+        rules = FASTER_WITH_TRITON.get(op, frozenset())
+        return "triton" if rules and (_card(t), shape, t.dtype) in rules else "torch"
     return name
+
+
+def _card(t: Tensor) -> str:
+    return torch.cuda.get_device_name(t.device)
 
 
 @contextlib.contextmanager
@@ -89,7 +117,7 @@ def host_work_ok(t: Tensor) -> bool:
 def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """``(x L) R + bias``; x: (..., N_in), L: (N_in, r), R: (r, N_out) -> (..., N_out)."""
     x2d = x.reshape(-1, x.shape[-1])  # (T, N_in): both backends take 2-D activations
-    if resolve_backend(x) == "triton":
+    if resolve_backend(x, "tt_linear", (L.shape[0], L.shape[1], R.shape[1])) == "triton":
         from comera_dist.kernels import ops  # imports triton; only on this path
 
         y = ops.tt_linear(x2d, L, R, bias)  # (T, N_out)
@@ -104,7 +132,7 @@ def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     The torch path deduplicates ids with ``torch.unique`` only where that is free
     (``host_work_ok``: CPU eager); elsewhere it keeps every shape static.
     """
-    if resolve_backend(A) == "triton":
+    if resolve_backend(A, "ttm_lookup", (*A.shape, B.shape[1], B.shape[2])) == "triton":
         from comera_dist.kernels import ops
 
         return ops.ttm_lookup(ids, A, B)

@@ -6,6 +6,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -18,6 +19,21 @@ def _probe():
 # ``triton.jit`` reads TRITON_INTERPRET when a kernel is decorated, so ask a decorated kernel
 # rather than the environment (which may have changed since).
 INTERPRET: bool = isinstance(_probe, InterpretedFunction)
+
+
+@triton.jit
+def downcast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """fp32 ``x`` to ``dtype`` with round-to-nearest-even, as compiled Triton casts.
+
+    The interpreter's fp32 -> bf16 cast truncates (twice the rounding error), so under it bf16
+    is rounded by hand first (the usual add-0x7FFF-plus-odd-bit trick), then cast exactly.
+    """
+    if INTERPRETED:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 def tune_configs(candidates: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:

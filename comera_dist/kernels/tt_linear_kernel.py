@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, split_count, tune_configs
+from comera_dist.kernels.launch import INTERPRET, check_same_device, downcast, dot_precision, split_count, tune_configs
 
 # Autotuning candidates (BLOCK_M, BLOCK_K, BLOCK_N, warps, stages); the interpreter uses only the first.
 _CONFIGS = tune_configs([(32, 32, 32, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3),
@@ -62,7 +62,7 @@ def _tt_linear_fwd_kernel(
                      mask=(k[:, None] < N_IN) & mask_r[None, :], other=0.0)  # (BK, RP)
         h = _mma(x, lk, h, DOT_FP32, PRECISION)
     # Round H to the operand dtype like the unfused path does (a no-op in fp32).
-    h_op = h.to(r_ptr.dtype.element_ty)  # (BM, RP)
+    h_op = downcast(h, r_ptr.dtype.element_ty, DOT_FP32)  # (BM, RP)
 
     # The programs of one row tile share its output tiles: each writes `per_prog` of them from its H.
     per_prog = tl.cdiv(tl.cdiv(N_OUT, BLOCK_N), tl.num_programs(1))
@@ -76,7 +76,7 @@ def _tt_linear_fwd_kernel(
         if HAS_BIAS:
             y += tl.load(b_ptr + n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + n[None, :] * stride_yn,
-                 y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+                 downcast(y, y_ptr.dtype.element_ty, DOT_FP32), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "RANK", "NEED_DX", "NEED_H"])
@@ -105,7 +105,7 @@ def _tt_linear_bwd_dx_kernel(
         r_t = tl.load(r_ptr + n[:, None] * stride_rn + offs_r[None, :] * stride_rr,
                       mask=(n[:, None] < N_OUT) & mask_r[None, :], other=0.0)  # (BN, RP) = R^T tile
         g = _mma(dy, r_t, g, DOT_FP32, PRECISION)
-    g_op = g.to(l_ptr.dtype.element_ty)  # (BM, RP)
+    g_op = downcast(g, l_ptr.dtype.element_ty, DOT_FP32)  # (BM, RP)
 
     h = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)  # (BM, RP) = X_tile L (for dR)
     for k0 in range(0, N_IN, BLOCK_K):
@@ -117,7 +117,7 @@ def _tt_linear_bwd_dx_kernel(
             dx = _mma(g_op, tl.trans(lk), tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32),
                       DOT_FP32, PRECISION)  # (BM, BK)
             tl.store(dx_ptr + offs_m[:, None] * stride_dxm + k[None, :] * stride_dxk,
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_k[None, :])
+                     downcast(dx, dx_ptr.dtype.element_ty, DOT_FP32), mask=mask_m[:, None] & mask_k[None, :])
         if NEED_H:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BM, BK)
@@ -127,7 +127,7 @@ def _tt_linear_bwd_dx_kernel(
     gh_offs = offs_m[:, None] * R_PAD + offs_r[None, :]
     tl.store(g_ptr + gh_offs, g_op, mask=mask_m[:, None])
     if NEED_H:
-        tl.store(h_ptr + gh_offs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None])
+        tl.store(h_ptr + gh_offs, downcast(h, h_ptr.dtype.element_ty, DOT_FP32), mask=mask_m[:, None])
 
 
 @triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "NEED_DL", "NEED_DR", "NEED_DB"])

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, warp_configs
+from comera_dist.kernels.launch import INTERPRET, check_same_device, downcast, dot_precision, warp_configs
 
 # The tiles are fixed by (N1, r, N2); only the warp count is worth tuning for these small products.
 _CONFIGS = warp_configs((4, 2, 1, 8))
@@ -58,7 +58,7 @@ def _ttm_lookup_fwd_kernel(
     if DOT_FP32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    rows = tl.dot(a, b, input_precision=PRECISION).to(out_ptr.dtype.element_ty)  # (N1P, N2P)
+    rows = downcast(tl.dot(a, b, input_precision=PRECISION), out_ptr.dtype.element_ty, DOT_FP32)  # (N1P, N2P)
     cols = offs_n1[:, None] * N2 + offs_n2[None, :]  # (N1P, N2P) flat column n1*N2 + n2
     mask = mask_n1[:, None] & mask_n2[None, :]
     for j in range(tl.load(chunk_start_ptr + c), tl.load(chunk_end_ptr + c)):  # <= run positions
@@ -121,7 +121,7 @@ def _ttm_lookup_bwd_a_kernel(
         else:
             acc = tl.dot(drow.to(b_t.dtype), b_t, acc, input_precision=PRECISION)
     tl.store(da_ptr + i1 * stride_da0 + offs_n1[:, None] * stride_da1 + offs_r[None, :] * stride_da2,
-             acc.to(da_ptr.dtype.element_ty), mask=mask_n1[:, None] & mask_r[None, :])
+             downcast(acc, da_ptr.dtype.element_ty, DOT_FP32), mask=mask_n1[:, None] & mask_r[None, :])
 
 
 @triton.autotune(configs=_CONFIGS, key=["N1", "N2", "RANK"])
@@ -156,7 +156,7 @@ def _ttm_lookup_bwd_b_kernel(
         else:
             acc = tl.dot(a_t, drow.to(a_t.dtype), acc, input_precision=PRECISION)
     tl.store(db_ptr + offs_r[:, None] * stride_db0 + i2 * stride_db1 + offs_n2[None, :] * stride_db2,
-             acc.to(db_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_n2[None, :])
+             downcast(acc, db_ptr.dtype.element_ty, DOT_FP32), mask=mask_r[:, None] & mask_n2[None, :])
 
 
 def _check(ids: Tensor, A: Tensor, B: Tensor) -> None:

@@ -50,11 +50,22 @@ def test_auto_on_cpu_picks_torch(kernel_calls):
     assert kernel_calls == {"tt_linear": 0, "ttm_lookup": 0}
 
 
-def test_auto_on_cuda_picks_triton_for_supported_dtypes():
+def test_auto_on_cuda_picks_torch_unless_a_measured_rule_says_triton(monkeypatch):
     # Fake tensors carry a CUDA device without needing a GPU, which is all the decision looks at.
+    # The H200 measured both kernels slower than the torch path: no rule, torch everywhere.
+    monkeypatch.setattr(dispatch, "_card", lambda t: "NVIDIA H200")
     with FakeTensorMode():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            assert dispatch.resolve_backend(torch.empty(2, device="cuda", dtype=dtype)) == "triton"
+            t = torch.empty(2, device="cuda", dtype=dtype)
+            assert dispatch.resolve_backend(t) == "torch"
+            assert dispatch.resolve_backend(t, "tt_linear", (768, 30, 768)) == "torch"
+            assert dispatch.resolve_backend(t, "ttm_lookup", (320, 16, 32, 100, 48)) == "torch"
+        monkeypatch.setitem(dispatch.FASTER_WITH_TRITON, "tt_linear",
+                            frozenset({("NVIDIA H200", (768, 30, 768), torch.bfloat16)}))
+        bf16 = torch.empty(2, device="cuda", dtype=torch.bfloat16)
+        assert dispatch.resolve_backend(bf16, "tt_linear", (768, 30, 768)) == "triton"
+        assert dispatch.resolve_backend(bf16, "tt_linear", (768, 30, 3072)) == "torch"
+        assert dispatch.resolve_backend(torch.empty(2, device="cuda"), "tt_linear", (768, 30, 768)) == "torch"
         assert dispatch.resolve_backend(torch.empty(2, device="cuda", dtype=torch.float64)) == "torch"
 
 

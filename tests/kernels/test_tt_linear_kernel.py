@@ -10,7 +10,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernels_testlib import DEVICE, compare_with_reference, needs_cuda, needs_kernels, tt_operands
+from kernels_testlib import (
+    DEVICE,
+    bf16_error_vs_torch,
+    compare_with_reference,
+    needs_cuda,
+    needs_kernels,
+    tt_operands,
+)
 
 from comera_dist.kernels import ops, tt_linear_kernel
 from comera_dist.tensor.contract import tt_linear_lr
@@ -143,3 +150,19 @@ def test_gpu_matches_reference(T, n_in, n_out, rank, dtype, tol):
     # The reference in fp32 is the oracle; bf16 kernels are judged against it with bf16 tolerance.
     compare_with_reference(ops.tt_linear, lambda *a: tt_linear_lr(*[t.float() for t in a]).to(dtype),
                            args, rtol=tol, atol=tol)
+
+
+def test_bf16_error_within_twice_the_torch_bf16_error():
+    """The derived-tolerance check at an interpreter-sized shape (the interpreter upcasts bf16 dots)."""
+    args = tt_operands(64, 48, 40, 8, bias=True)
+    bf16_error_vs_torch(ops.tt_linear, tt_linear_lr, args)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T,n_in,n_out,rank", [(4096, 768, 768, 30), (1000, 768, 3072, 30), (333, 3072, 768, 17)])
+def test_gpu_bf16_error_within_twice_the_torch_bf16_error(T, n_in, n_out, rank):
+    """Native bf16 MMA with fp32 accumulation: no worse than 2x torch's own bf16 path vs fp64."""
+    args = tt_operands(T, n_in, n_out, rank, bias=True, device="cuda")
+    report = bf16_error_vs_torch(ops.tt_linear, tt_linear_lr, args)
+    print(report)

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_testlib import DEVICE, compare_with_reference, needs_cuda, needs_kernels, ttm_operands
+from kernels_testlib import (
+    DEVICE,
+    bf16_error_vs_torch,
+    compare_with_reference,
+    needs_cuda,
+    needs_kernels,
+    ttm_operands,
+)
 
 from comera_dist.kernels import ops, ttm_lookup_kernel
 from comera_dist.tensor.contract import ttm_lookup_pairs
@@ -135,3 +142,18 @@ def test_gpu_matches_reference(M1, N1, rank, M2, N2, T, dtype, tol):
     compare_with_reference(ops.ttm_lookup,
                            lambda i, a, b: ttm_lookup_pairs(i, a.float(), b.float()).to(dtype),
                            [ids, A, B], rtol=tol, atol=tol)
+
+
+def test_bf16_error_within_twice_the_torch_bf16_error():
+    """The derived-tolerance check at an interpreter-sized shape (the interpreter upcasts bf16 dots)."""
+    A, B = ttm_operands(5, 3, 4, 7, 5)
+    bf16_error_vs_torch(ops.ttm_lookup, ttm_lookup_pairs, [_ids(23, 35, seed=9), A, B])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("M1,N1,rank,M2,N2,T", [(320, 16, 32, 100, 48, 8192), (7, 5, 30, 11, 3, 500)])
+def test_gpu_bf16_error_within_twice_the_torch_bf16_error(M1, N1, rank, M2, N2, T):
+    """Native bf16 with fp32 accumulation: no worse than 2x torch's own bf16 path vs fp64."""
+    A, B = ttm_operands(M1, N1, rank, M2, N2, device="cuda")
+    print(bf16_error_vs_torch(ops.ttm_lookup, ttm_lookup_pairs, [_ids(T, M1 * M2, seed=5).cuda(), A, B]))

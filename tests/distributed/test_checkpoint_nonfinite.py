@@ -1,7 +1,11 @@
-"""The issue's sequence on a real 2-rank training job: a run resumes from a checkpoint whose weights are
-NaN (written before manifests existed, so it cannot be verified), every loss is non-finite, the
-non-finite stop trips. The poisoned state must not be written as "last good", no checkpoint may be
-deleted, and the log must say which checkpoint is kept."""
+"""The non-finite stop on real 2-rank training jobs (``engine.trainer.train``).
+
+1. NaN losses (fault injection) with finite weights: the stop writes its checkpoint without
+   retention, so every earlier checkpoint stays, and says which one is kept.
+2. The issue's sequence: a run resumes from a checkpoint whose weights are NaN (written before
+   manifests existed, so it cannot be verified); every loss is non-finite and the stop trips. The
+   poisoned state is never written as "last good", nothing is deleted, and the log says so.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(rank: int, world_size: int, outdir: str, steps: int) -> dict:
-    os.environ.update(COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+def _train(rank: int, world_size: int, outdir: str, steps: int, fault: str = "") -> dict:
+    os.environ.update(COMERA_FAULT_NONFINITE_STEPS=fault, COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false")
     from comera_dist.config import load_run_config
     from comera_dist.engine.trainer import train
@@ -45,29 +49,39 @@ def _train(rank: int, world_size: int, outdir: str, steps: int) -> dict:
     return {"status": status, "log": records.lines}
 
 
-def test_nonfinite_stop_never_writes_poisoned_state_and_keeps_previous(tmp_path):
+def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path):
     out = tmp_path / "run"
-    run_ranks(_train, tmp_path / "w1", str(out), 4)
     root = out / "checkpoints"
-    step4 = root / tag_for(4)
-    # Poison step 4 the way an old, unverifiable checkpoint could be: NaN weights, pre-manifest marker.
-    shard = step4 / "mp_rank_00_model_states.pt"
+    run_ranks(_train, tmp_path / "w1", str(out), 4)  # checkpoints at steps 2 and 4 (keep_checkpoints=2)
+
+    # 1. Losses of steps 5-7 are NaN (weights untouched, so step 6 is saved as scheduled, and retention
+    # removes step 2): the stop at 7 writes the finite state and deletes nothing.
+    stopped = run_ranks(_train, tmp_path / "w2", str(out), 12, "5-7")
+    assert [r["status"] for r in stopped] == [3, 3]
+    log = stopped[0]["log"]
+    assert any(f"wrote {root / tag_for(7)}; the previous checkpoint {root / tag_for(6)} is kept" in line
+               for line in log), log
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [tag_for(s) for s in (4, 6, 7)]
+
+    # 2. Poison step 7 the way an old, unverifiable checkpoint could be: NaN weights, pre-manifest marker.
+    step7 = root / tag_for(7)
+    shard = step7 / "mp_rank_00_model_states.pt"
     state = torch.load(shard, map_location="cpu", weights_only=False)
     for name, t in state["module"].items():
         if t.is_floating_point() and "cores" in name:
             t.fill_(float("nan"))
     torch.save(state, shard)
-    (step4 / "COMPLETE").write_text(f"{tag_for(4)}\n")
-
-    results = run_ranks(_train, tmp_path / "w2", str(out), 10)
+    (step7 / "COMPLETE").write_text(f"{tag_for(7)}\n")
+    results = run_ranks(_train, tmp_path / "w3", str(out), 12)
     for r in results:
         assert r["status"] == 3, r["log"][-10:]
     log = results[0]["log"]
     assert any("written before checkpoint manifests" in line for line in log), log
     assert any("stopping: 3 consecutive non-finite steps" in line for line in log), log
-    refused = [line for line in log if line.startswith("step 7: not checkpointing")]
-    assert refused and "non-finite" in refused[0] and "cores" in refused[0], log
-    assert any(f"nothing written; the previous checkpoint {step4} is kept" in line for line in log), log
-    # Nothing was written at the stop, and nothing was deleted.
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [tag_for(2), tag_for(4)]
-    assert (root / "latest").read_text() == tag_for(4)
+    refused = [line for line in log if "not checkpointing" in line]  # the scheduled save at 8, the stop at 10
+    assert [line.split(":")[0] for line in refused] == ["step 8", "step 10"], log
+    assert "non-finite" in refused[1] and "cores" in refused[1], log
+    assert any(f"nothing written; the previous checkpoint {step7} is kept" in line for line in log), log
+    # Nothing was written, and nothing was deleted.
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [tag_for(s) for s in (4, 6, 7)]
+    assert (root / "latest").read_text() == tag_for(7)

@@ -72,13 +72,14 @@ def tensorize_config(*, smoke: bool) -> TensorizeConfig:
 
 
 def random_batch(model: nn.Module, batch_size: int, *, smoke: bool, seed: int = 0) -> dict[str, Tensor]:
-    """input_ids (B, T) uniform over the vocabulary, labels (B,)."""
+    """input_ids (B, T) uniform over the vocabulary, labels (B,), on the model's device."""
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     seq = SMOKE_SEQ_LEN if smoke else SEQ_LEN
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), generator=gen)  # (B, T)
     labels = torch.randint(0, cfg.num_labels, (batch_size,), generator=gen)  # (B,)
-    return {"input_ids": ids, "labels": labels}
+    device = next(model.parameters()).device
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
 @dataclass(kw_only=True)
@@ -90,10 +91,18 @@ class Contender:
     optimizer: torch.optim.Optimizer
     loss: Callable[[dict[str, Tensor]], Tensor]
     extra: dict[str, Any] = field(default_factory=dict)
+    autocast: torch.dtype | None = None
+    """``torch.bfloat16``: forward under autocast (bf16 rows of ``--device``); None: plain fp32."""
 
     def train_step(self, batch: dict[str, Tensor]) -> Tensor:
-        """forward + backward + optimizer step; returns the loss, still on the device (no host sync)."""
-        loss = self.loss(batch)
+        """forward + backward + optimizer step; returns the loss, still on the device (no host sync).
+
+        With ``autocast`` set, the forward (and the loss) run under ``torch.autocast`` in that
+        dtype over fp32 master weights (mixed precision, as DeepSpeed's bf16 mode trains).
+        """
+        device_type = next(self.model.parameters()).device.type
+        with torch.autocast(device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            loss = self.loss(batch)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -104,15 +113,15 @@ class Contender:
         return float(self.train_step(batch))
 
 
-def make_contender(name: str, *, smoke: bool, seed: int = 0) -> Contender:
-    """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture)."""
+def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch.device = "cpu") -> Contender:
+    """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture) on ``device``."""
     if name not in CONTENDERS:
         raise ValueError(f"contender must be one of {list(CONTENDERS)}, got {name!r}")
     torch.manual_seed(seed)
     cfg = model_config(smoke=smoke)
     lr = LrConfig()
     if name == "comera":
-        model = build_model(cfg, tensorize_config(smoke=smoke))
+        model = build_model(cfg, tensorize_config(smoke=smoke)).to(device)
         opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, **ADAMW)
         controller = RankController(ControllerConfig())
         # The controller's host inputs (global loss and size) are read once per step, outside the
@@ -126,7 +135,7 @@ def make_contender(name: str, *, smoke: bool, seed: int = 0) -> Contender:
                                         global_size=host["size"])
 
         return Contender(name=name, model=model, optimizer=opt, loss=comera_loss)
-    model = build_model(cfg, None)
+    model = build_model(cfg, None).to(device)
     extra: dict[str, Any] = {}
     if name == "dense":
         opt = torch.optim.AdamW(model.parameters(), lr=lr.dense, weight_decay=lr.weight_decay, **ADAMW)
@@ -155,12 +164,18 @@ def galore_optimizer(model: nn.Module, *, smoke: bool, lr: float) -> tuple[torch
 
 
 def time_steps(c: Contender, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
-    """Median and min wall time of ``steps`` full training steps (after the caller's warm-up)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    """Median and min wall time of ``steps`` full training steps (after the caller's warm-up).
+
+    On a GPU the device is synchronized before each start and after each step, so a time covers
+    the step's kernels, not only their launches; the loss stays on the device (no extra sync).
+    """
+    on_cuda = batch["input_ids"].is_cuda
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
-        c.step(batch)
+        c.train_step(batch)
         sync()
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times)}
@@ -183,13 +198,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--device", default=None,
+                   help="run the device comparison (dense, CoMERA, GaLore; fp32 and bf16) on this device, "
+                        "e.g. cuda; metrics carry the device name. Default: the CPU dense-vs-CoMERA run")
     args = p.parse_args(argv)
-    steps = 2 if args.steps is None else args.steps
+    steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):
         p.error(f"--steps and batch sizes must be >= 1, got steps={steps}, sizes={sizes}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device is not None:
+        return run_device(args, torch.device(args.device), steps, sizes)
     load_start = os.getloadavg()
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
     rows: list[dict[str, Any]] = []
@@ -213,5 +233,72 @@ def main(argv: list[str]) -> int:
     config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "target": {"speedup_vs_dense_b32": 5.0}, "profile_batch": b_top, "profile": profiles,
               "threads": torch.get_num_threads(), "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    write_result(args.json, "six-encoder", metrics, rows, config)
+    return 0
+
+
+DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
+    """Peak memory of one training step: allocator peak on CUDA (parameters, gradients, optimizer
+    state, activations, workspace), the measured tensor memory elsewhere."""
+    if batch["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        c.train_step(batch)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return measure_step(c.model, c.optimizer, lambda: c.loss(batch)).total_bytes
+
+
+def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
+    """dense, CoMERA and GaLore on ``device``, fp32 and bf16 (autocast), every batch size.
+
+    GaLore runs at the smallest batch only (its comparison is at batch 1, as in the paper).
+    One warm-up step (GaLore's first step also computes its projections), then ``steps``
+    timed steps with a device synchronize around each; memory is the peak of one more step.
+    Metrics: ``speedup_vs_dense_b{B}_{dev}_{fp32|bf16}`` at the largest batch,
+    ``speedup_vs_galore_b{b}_{dev}`` and ``memory_ratio_galore_over_comera_b{b}_{dev}`` (fp32) at
+    the smallest, where ``dev`` is the device type (``cuda`` on a GPU).
+    """
+    load_start = os.getloadavg()
+    b_lo, b_hi = min(sizes), max(sizes)
+    rows: list[dict[str, Any]] = []
+    for dtype_name, autocast in DEVICE_DTYPES.items():
+        for name in ("dense", "comera", "galore"):
+            c = make_contender(name, smoke=args.smoke, device=device)
+            c.autocast = autocast
+            for b in sizes if name != "galore" else [b_lo]:
+                batch = random_batch(c.model, b, smoke=args.smoke)
+                c.train_step(batch)  # warm-up (GaLore: its first projections)
+                t = time_steps(c, batch, steps)
+                peak = peak_step_bytes(c, batch)
+                rows.append({"contender": name, "dtype": dtype_name, "batch": b, "step_s": t["median_s"],
+                             "step_min_s": t["min_s"], "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
+                             "peak_MiB": peak / 2**20, "params": sum(q.numel() for q in c.model.parameters())})
+            del c
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    by = {(r["contender"], r["dtype"], r["batch"]): r for r in rows}
+    dev = device.type
+    metrics: dict[str, float] = {}
+    for dtype_name in DEVICE_DTYPES:
+        for b in sizes:
+            metrics[f"speedup_vs_dense_b{b}_{dev}_{dtype_name}"] = \
+                by["dense", dtype_name, b]["step_s"] / by["comera", dtype_name, b]["step_s"]
+    metrics[f"speedup_vs_galore_b{b_lo}_{dev}"] = by["galore", "fp32", b_lo]["step_s"] / by["comera", "fp32", b_lo]["step_s"]
+    metrics[f"speedup_vs_galore_b{b_lo}_{dev}_bf16"] = \
+        by["galore", "bf16", b_lo]["step_s"] / by["comera", "bf16", b_lo]["step_s"]
+    metrics[f"memory_ratio_galore_over_comera_b{b_lo}_{dev}"] = \
+        by["galore", "fp32", b_lo]["peak_MiB"] / by["comera", "fp32", b_lo]["peak_MiB"]
+    metrics[f"memory_ratio_dense_over_comera_b{b_lo}_{dev}"] = \
+        by["dense", "fp32", b_lo]["peak_MiB"] / by["comera", "fp32", b_lo]["peak_MiB"]
+    config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
+              "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
+              "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
+              "target": {f"speedup_vs_dense_b32_{dev}_fp32": 2.0, f"speedup_vs_dense_b32_{dev}_bf16": 1.5,
+                         f"speedup_vs_galore_b1_{dev}": 2.0, f"memory_ratio_galore_over_comera_b1_{dev}": 9.0},
+              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

@@ -119,7 +119,7 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
 
 
 def _halves_batched(cores: list[Tensor], masks: list[Tensor], d: int, G: int) -> tuple[Tensor, Tensor]:
-    scaled = [c * masks[k][:, None, None, :] if k < len(masks) else c for k, c in enumerate(cores)]
+    scaled = [c * masks[k].view(G, 1, 1, -1) if k < len(masks) else c for k, c in enumerate(cores)]  # one view op
 
     def run(chain_cores: list[Tensor]) -> Tensor:
         z = chain_cores[0]  # (G, r0, n, r1)
@@ -249,23 +249,27 @@ def ttm_head_contract(h: Tensor, left: Tensor, right: Tensor, side: str) -> Tens
     """``h @ E^T`` for ``E = left . right`` without building E; h: (T, N_L*N_R) -> (T, M_L*M_R).
 
     side ``"left"``: contract h with ``left`` first (keeps ``(T, M_L, r*N_R)``); ``"right"``: with
-    ``right`` first (keeps ``(T, N_L*r, M_R)``). Both are two GEMMs (see ``cost.ttm_head_costs``).
+    ``right`` first (keeps ``(T*N_L, r*M_R)``). Both are two plain GEMMs (see ``cost.ttm_head_costs``):
+    the per-token intermediates are permuted between them, never the halves broadcast over tokens
+    (a broadcast ``matmul`` would copy a half once per token).
     """
     ML, NL, r = left.shape
     MR, NR = right.shape[1], right.shape[2]
     T = h.shape[0]
-    if h.shape[-1] != NL * NR:
-        raise ValueError(f"h must have {NL * NR} columns (the embedding width), got shape {tuple(h.shape)}")
+    if h.dim() != 2 or h.shape[-1] != NL * NR:
+        raise ValueError(f"h must be (T, {NL * NR}) (the embedding width), got shape {tuple(h.shape)}")
     if side == "left":
-        lw = left.permute(0, 2, 1).reshape(ML * r, NL)  # (M_L*r, N_L)
-        x = torch.matmul(lw, h.reshape(T, NL, NR))  # (T, M_L*r, N_R)
+        hp = h.reshape(T, NL, NR).permute(1, 0, 2).reshape(NL, T * NR)  # (N_L, T*N_R)
+        x = left.permute(0, 2, 1).reshape(ML * r, NL) @ hp  # (M_L*r, T*N_R): [a, s, t, q]
+        x = x.view(ML, r, T, NR).permute(2, 0, 1, 3).reshape(T * ML, r * NR)  # (T*M_L, r*N_R)
         rw = right.permute(0, 2, 1).reshape(r * NR, MR)  # (r*N_R, M_R)
-        return torch.matmul(x.reshape(T, ML, r * NR), rw).reshape(T, ML * MR)  # (T, M)
+        return (x @ rw).view(T, ML * MR)  # (T, M)
     if side == "right":
         rw = right.permute(2, 0, 1).reshape(NR, r * MR)  # (N_R, r*M_R)
-        y = h.reshape(T * NL, NR) @ rw  # (T*N_L, r*M_R)
-        lw = left.reshape(ML, NL * r)  # (M_L, N_L*r)
-        return torch.matmul(lw, y.reshape(T, NL * r, MR)).reshape(T, ML * MR)  # (T, M)
+        y = h.reshape(T * NL, NR) @ rw  # (T*N_L, r*M_R): [t, p, s, b]
+        y = y.view(T, NL * r, MR).permute(1, 0, 2).reshape(NL * r, T * MR)  # (N_L*r, T*M_R)
+        out = left.reshape(ML, NL * r) @ y  # (M_L, T*M_R): [a, t, b]
+        return out.view(ML, T, MR).permute(1, 0, 2).reshape(T, ML * MR)  # (T, M)
     raise ValueError(f"side must be 'left' or 'right', got {side!r}")
 
 

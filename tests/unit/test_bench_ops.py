@@ -1,0 +1,54 @@
+"""``bench ops`` (aten ops and host syncs per six-encoder step) and ``bench six-encoder --device``, at smoke size."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from comera_dist.bench import ops, six_encoder
+
+
+def test_counter_sees_syncs_and_data_dependent_shapes():
+    x = torch.arange(6.0)
+    with ops.OpCounter() as c:
+        float(x.sum())  # one host read
+        torch.unique(x)  # output size depends on the data
+        x[x > 2]  # boolean indexing: a hidden nonzero
+        torch.repeat_interleave(torch.tensor([1, 2]))  # no output_size
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # static: not a sync
+        x.view(2, 3)
+    assert c.syncs["aten._local_scalar_dense"] == 1 and c.syncs["aten._unique2"] == 1
+    assert c.syncs["aten.index(bool mask)"] == 1 and c.syncs["aten.repeat_interleave"] == 1
+    assert sum(c.syncs.values()) == 4 and c.views >= 1
+
+
+def test_ops_smoke_static_step_has_no_sync(tmp_path):
+    out = tmp_path / "ops.json"
+    assert ops.main(["--smoke", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    m = r["metrics"]
+    assert {"ops_per_step_comera", "syncs_per_step_comera", "ops_ratio_comera_over_dense", "ops_per_step_dense",
+            "syncs_per_step_dense", "kernel_ops_ratio_comera_over_dense"} <= set(m)
+    # the GPU-path proxy: no host read and no data-dependent shape in the CoMERA step
+    assert m["syncs_per_step_comera"] == 0 and m["syncs_per_step_comera"] <= m["syncs_per_step_dense"]
+    assert m["ops_ratio_comera_over_dense"] == m["ops_per_step_comera"] / m["ops_per_step_dense"]
+    by = {(row["contender"], row["policy"]): row for row in r["rows"]}
+    # CPU eager keeps its free host work: the id range checks and the torch.unique dedup
+    assert "aten._unique2" in by["comera", "cpu_eager"]["sync_ops"]
+    assert by["comera", "static"]["kernel_ops"] < by["comera", "static"]["ops"]
+
+
+def test_six_encoder_device_path_on_cpu(tmp_path):
+    out = tmp_path / "se.json"
+    assert six_encoder.main(["--smoke", "--device", "cpu", "--batch-sizes", "1", "2", "--steps", "1",
+                             "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    m = r["metrics"]
+    # the names the GPU run reports, with the device type in them (cuda on a GPU)
+    assert {"speedup_vs_dense_b2_cpu_fp32", "speedup_vs_dense_b2_cpu_bf16", "speedup_vs_galore_b1_cpu",
+            "memory_ratio_galore_over_comera_b1_cpu"} <= set(m)
+    got = {(row["contender"], row["dtype"], row["batch"]) for row in r["rows"]}
+    want = {(c, d, b) for c in ("dense", "comera") for d in ("fp32", "bf16") for b in (1, 2)}
+    assert got == want | {("galore", d, 1) for d in ("fp32", "bf16")}
+    assert all(v > 0 for v in m.values())

@@ -1,8 +1,12 @@
 """Batch collators: MLM masking (80/10/10) and causal LM, deterministic given a ``torch.Generator``.
 
-A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, attention_mask,
-labels)``, all ``(B, L)`` int64; ignored label positions are ``-100``. ``PackedLoader`` seeds the
-generator per (seed, step, rank) with ``batch_seed``, so a batch's masks depend only on those.
+A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, labels)``, both
+``(B, L)`` int64; ignored label positions are ``-100``. ``PackedLoader`` seeds the generator per
+(seed, step, rank) with ``batch_seed``, so a batch's masks depend only on those.
+
+There is no ``attention_mask``: packed blocks hold no padding, and an all-ones mask would make
+the models build a ``(B, 1, T, T)`` boolean mask, which keeps SDPA off its flash and
+memory-efficient kernels. A caller with real padding passes its own mask to the model.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.
         random_ids = ordinary[torch.randint(len(ordinary), ids.shape, generator=generator)]  # (B, L)
         out = torch.where(to_mask, mask_id, ids)
         out = torch.where(to_random, random_ids, out)
-        return {"input_ids": out, "attention_mask": torch.ones_like(ids), "labels": labels}
+        return {"input_ids": out, "labels": labels}
 
     return collate
 
@@ -68,7 +72,7 @@ def causal_collator() -> Collator:
 
     def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
         ids = input_ids.long()  # (B, L)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        return {"input_ids": ids, "labels": ids.clone()}
 
     return collate
 

@@ -25,7 +25,7 @@ from comera_dist.data.errors import DataError
 
 
 class PackedLoader:
-    """Endless iterator of collated batches ``dict(input_ids, attention_mask, labels)``, each ``(B, L)``."""
+    """Endless iterator of collated batches ``dict(input_ids, labels)``, each ``(B, L)``."""
 
     def __init__(self, dataset: datasets.Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
                  collator: Collator, drop_last: bool = True, prefetch: bool = False,

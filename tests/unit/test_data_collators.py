@@ -47,7 +47,7 @@ def test_mlm_80_10_10_statistics(tokenizer):
     assert abs((changed.sum() + kept.sum()) / n - 0.2) < 0.02 and abs(changed.sum() / n - 0.1) < 0.02
     assert torch.equal(out["labels"][sel], ids[sel])  # labels carry the originals
     assert torch.equal(out["input_ids"][~sel], ids[~sel])  # nothing else changes
-    assert torch.equal(out["attention_mask"], torch.ones_like(ids))
+    assert "attention_mask" not in out  # packed blocks have no padding: no mask, so SDPA may use flash kernels
     assert all(v.dtype == torch.int64 and v.shape == ids.shape for v in out.values())
 
 

@@ -68,6 +68,31 @@ def model_size(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> int:
     return sum(layer_size(layer, shape_of) for _, layer in tensorized_modules(model))
 
 
+def model_size_tensor(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> torch.Tensor:
+    """S as a 0-d int64 tensor on the gates' device, with no host read (``model_size`` reads every
+    gate back: one sync per gate on a GPU). Same value as ``model_size``; same ZeRO-3 rule."""
+    total: torch.Tensor | None = None
+    for _, layer in tensorized_modules(model):
+        _check_full_gates(layer, shape_of)
+        shapes = [shape_of(c) for c in layer.cores]
+        a = layer.active_ranks()  # (D-1,) int64
+        for k, s in enumerate(shapes):  # a_{k-1} * prod(modes_k) * a_k, boundary ranks from the shapes
+            left = a[k - 1] if k > 0 else s[0]
+            right = a[k] if k < len(shapes) - 1 else s[-1]
+            term = left * right * math.prod(s[1:-1])
+            total = term if total is None else total + term
+    if total is None:
+        raise ValueError(f"model_size_tensor: {type(model).__name__} has no tensorized layer")
+    return total
+
+
+def _check_full_gates(layer: nn.Module, shape_of: ShapeOf) -> None:
+    for k, g in enumerate(layer.gates):
+        if g.numel() != math.prod(shape_of(g)):
+            raise ValueError(f"active ranks need full gate values but gate {k} holds {g.numel()} of "
+                             f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
+
+
 def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> dict[str, Any]:
     """Per-layer and total accounting (plain data, JSON-ready).
 

@@ -58,6 +58,11 @@ class TensorizedModule(nn.Module):
         """Active rank ``#(g_k > tau)`` of every interior bond (compared in fp32, see ``gate_alive``)."""
         return [int(gate_alive(g.detach(), self.tau).sum()) for g in self.gates]
 
+    def active_ranks(self) -> Tensor:
+        """``ranks()`` as one int64 tensor ``(D-1,)`` on the gates' device: no host read, so the
+        engine can all-reduce or log it without stalling the GPU (``ranks()`` syncs per gate)."""
+        return torch.stack([gate_alive(g.detach(), self.tau).sum() for g in self.gates])
+
     def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:
         """``.to(dtype)``/``.bfloat16()``/DeepSpeed's bf16 cast move ``tau`` but keep it fp32: the
         threshold must be the same number for the working gates, the fp32 masters and the plan."""

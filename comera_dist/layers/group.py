@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from comera_dist.layers.base import gate_alive
 from comera_dist.layers.linear import TTLinear
 from comera_dist.tensor import contract
 from comera_dist.tensor.smallops import on_one_thread
@@ -58,7 +59,7 @@ def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int) -> tuple[Tensor
     masks = []
     for k in range(n - 1):
         g = torch.stack([params[i * per + n + k] for i in range(G)])  # (G, r_k)
-        masks.append(g * (g > tau))  # (G, r_k) m(g) = g [g > tau]
+        masks.append(g * gate_alive(g, tau))  # (G, r_k) m(g) = g [g > tau], the layers' own rule
     L, R = contract.contract_halves_batched(cores, masks, d)  # (G, N_in, r_d), (G, r_d, N_out)
     return (*L.unbind(0), *R.unbind(0))
 

@@ -52,3 +52,22 @@ def test_six_encoder_device_path_on_cpu(tmp_path):
     want = {(c, d, b) for c in ("dense", "comera") for d in ("fp32", "bf16") for b in (1, 2)}
     assert got == want | {("galore", d, 1) for d in ("fp32", "bf16")}
     assert all(v > 0 for v in m.values())
+
+
+def test_model_size_tensor_equals_model_size_without_a_sync():
+    from comera_dist.compression.accounting import model_size, model_size_tensor
+    from comera_dist.compression.pruning import apply_plan, make_plan
+
+    c = six_encoder.make_contender("comera", smoke=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in c.model.parameters():
+            if p.dim() == 1 and p.numel() > 1 and (p == 1).all():  # gates start at 1
+                p.copy_(torch.rand(p.shape, generator=g))  # about 1% below tau = 1e-2
+                p[0] = 0.0
+    with ops.OpCounter() as counter:
+        s = model_size_tensor(c.model)
+    assert sum(counter.syncs.values()) == 0 and s.dim() == 0
+    assert int(s) == model_size(c.model)
+    apply_plan(c.model, make_plan(c.model))  # pruned shapes
+    assert int(model_size_tensor(c.model)) == model_size(c.model)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("six-encoder", "galore", "codebert", "prune-payoff", "memory", "comm", "layers", "kernels")
+ORDER = ("six-encoder", "galore", "codebert", "prune-payoff", "memory", "comm", "layers", "kernels", "ops")
 # benchmark -> [(metric, rule, target, what it compares)]; rule: ">=", "<=" or "within" (lo, hi)
 TARGETS: dict[str, list[tuple[str, str, Any, str]]] = {
     "six-encoder": [("speedup_vs_dense_b32", ">=", 5.0, "CoMERA step vs dense step, batch 32 (CPU)")],
@@ -28,6 +28,8 @@ TARGETS: dict[str, list[tuple[str, str, Any, str]]] = {
                  ("epoch_speedup_vs_dense", ">=", 3.0, "training time for the same tokens, dense / CoMERA")],
     "prune-payoff": [("step_time_ratio_over_flop_ratio", "within", (0.8, 1.2),
                       "(step time after / before pruning) / (FLOPs after / before)")],
+    "ops": [("ops_ratio_comera_over_dense", "<=", 2.0, "aten ops per training step, CoMERA / dense (GPU-path proxy)"),
+            ("syncs_excess_comera_over_dense", "<=", 0, "host syncs per step, CoMERA minus dense (GPU-path proxy)")],
 }
 
 

@@ -37,6 +37,7 @@ def test_ops_smoke_static_step_has_no_sync(tmp_path):
     # CPU eager keeps its free host work: the id range checks and the torch.unique dedup
     assert "aten._unique2" in by["comera", "cpu_eager"]["sync_ops"]
     assert by["comera", "static"]["kernel_ops"] < by["comera", "static"]["ops"]
+    assert m["syncs_excess_comera_over_dense"] <= 0
 
 
 def test_six_encoder_device_path_on_cpu(tmp_path):

@@ -1,4 +1,7 @@
-"""The non-finite stop on real 2-rank training jobs (``engine.trainer.train``).
+"""Checkpoints through the real training job (``engine.trainer.train``) on real ranks: the non-finite
+stop, and a 2-rank run resumed on 1 rank at another ZeRO stage.
+
+Non-finite stop:
 
 1. NaN losses (fault injection) with finite weights: the stop writes its checkpoint without
    retention, so every earlier checkpoint stays, and says which one is kept.
@@ -85,3 +88,33 @@ def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path)
     # Nothing was written, and nothing was deleted.
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [tag_for(s) for s in (4, 6, 7)]
     assert (root / "latest").read_text() == tag_for(7)
+
+
+def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int) -> dict:
+    os.environ.update(COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                      TOKENIZERS_PARALLELISM="false", COMERA_FAULT_NONFINITE_STEPS="")
+    from comera_dist.config import load_run_config
+    from comera_dist.engine.trainer import train
+
+    records = _Records()
+    for name in ("comera_dist.engine.session", "comera_dist.engine.trainer"):
+        logging.getLogger(name).addHandler(records)
+    cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
+        f"train.output_dir={outdir}", f"train.steps={steps}", "train.checkpoint_every=3", "train.eval_every=0",
+        f"deepspeed.zero_stage={stage}", "deepspeed.train_batch_size=8", "deepspeed.micro_batch_size_per_gpu=4",
+        "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false"])
+    return {"status": train(cfg, resume="auto"), "log": records.lines}
+
+
+def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
+    """The README's job, requeued on fewer ranks and another ZeRO stage: no manual step, same global batch."""
+    out = tmp_path / "run"
+    first = run_ranks(_resume_job, tmp_path / "w1", str(out), 3, 1)
+    assert [r["status"] for r in first] == [0, 0]
+    [again] = run_ranks(_resume_job, tmp_path / "w2", str(out), 6, 3, world_size=1)
+    assert again["status"] == 0, again["log"][-10:]
+    log = again["log"]
+    assert any("elastic resume from" in line and "2 rank(s) at ZeRO 1 -> 1 rank(s) at ZeRO 3" in line
+               for line in log), log
+    assert "resumed at step 3" in log and any(line.startswith("step 6/6") for line in log), log
+    assert (out / "checkpoints" / "latest").read_text() == tag_for(6)

@@ -39,7 +39,7 @@ if [ "$MODE" = gpu ]; then
   BUDGET=${COMERA_CHECK_BUDGET_S:-470}
   NPROC=${COMERA_CHECK_NPROC:-$({ nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)}
   # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
-  SIZE=(--set data.max_files=120 --set deepspeed.micro_batch_size_per_gpu=16)
+  SIZE=(--set data.max_files=60 --set deepspeed.micro_batch_size_per_gpu=16)
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
   KERNEL_TESTS=(-m pytest -q -p no:cacheprovider -m gpu tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)

@@ -39,7 +39,7 @@ class ProgressBar:
 
     def update(self, values: Mapping[str, float], step: int) -> None:
         self._latest.update({k: v for k, v in values.items() if k in POSTFIX})
-        done = step + 1  # steps are 0-based; a resumed run starts the bar where it left off
+        done = step  # steps completed (the trainer logs step 0 before the first); a resumed run starts there
         if done > self._bar.n:
             self._bar.update(done - self._bar.n)
         if self._last_postfix_step is None or step - self._last_postfix_step >= self._log_every:

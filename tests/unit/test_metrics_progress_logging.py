@@ -48,3 +48,12 @@ def test_without_the_redirect_the_line_glues_onto_the_bar(capsys):
     err = _run(capsys, redirect=False)
     glued = [m.start() for m in re.finditer("LOGLINE", err) if m.start() > 0 and err[m.start() - 1] not in "\n\r"]
     assert glued, repr(err[:300])
+
+
+def test_bar_counts_completed_steps():
+    """The trainer logs step 0 (before training) and steps 1..N: the bar ends at N of N, not N+1."""
+    bar = ProgressBar(total_steps=8, log_every=1)
+    for step in range(9):
+        bar.update({"train_loss": 1.0}, step)
+    assert (bar._bar.n, bar._bar.total) == (8, 8)
+    bar.close()

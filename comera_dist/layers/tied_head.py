@@ -34,7 +34,7 @@ class TiedTTHead(nn.Module):
     def __init__(self, embedding: TTEmbedding, *, bias: bool = True, order: str = "auto") -> None:
         super().__init__()
         if not isinstance(embedding, TTEmbedding):
-            raise ValueError(f"embedding must be a TTEmbedding, got {type(embedding).__name__}")
+            raise TypeError(f"embedding must be a TTEmbedding, got {type(embedding).__name__}")
         self._tied = (embedding,)  # a tuple: not a submodule (see the module docstring)
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
         self.order = order

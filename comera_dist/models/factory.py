@@ -121,12 +121,9 @@ def make_output_head(word: nn.Module, *, tie: bool, bias: bool, init_std: float 
     and gates; ``tie`` with an ``nn.Embedding``: an ``nn.Linear`` sharing its weight; otherwise a dense
     ``nn.Linear`` of its own (normal init). A bias, if any, is dense and zero-initialized.
     """
-    if isinstance(word, TTEmbedding):
-        vocab, width = word.num_embeddings, word.embedding_dim
-    elif isinstance(word, nn.Embedding):
-        vocab, width = word.num_embeddings, word.embedding_dim
-    else:
-        raise ValueError(f"word must be a TTEmbedding or nn.Embedding, got {type(word).__name__}")
+    if not isinstance(word, (TTEmbedding, nn.Embedding)):
+        raise TypeError(f"word must be a TTEmbedding or nn.Embedding, got {type(word).__name__}")
+    vocab, width = word.num_embeddings, word.embedding_dim
     if tie and isinstance(word, TTEmbedding):
         return TiedTTHead(word, bias=bias)
     if tie:

@@ -15,7 +15,12 @@ from comera_dist.compression.pruning import apply_plan, make_plan
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.layers import TiedTTHead, TTEmbedding
 from comera_dist.tensor import contract
-from comera_dist.tensor.cost import choose_ttm_head_order, parse_ttm_head_order, ttm_head_costs, ttm_head_orders
+from comera_dist.tensor.cost import (
+    choose_ttm_head_order,
+    parse_ttm_head_order,
+    ttm_head_costs,
+    ttm_head_orders,
+)
 
 
 def _emb(V=50, N=12, num_cores=3, max_rank=4, dtype=torch.float64, **kw):
@@ -117,7 +122,7 @@ def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest()
 
 def test_bad_arguments_are_clear_errors():
     emb = _emb()
-    with pytest.raises(ValueError, match="embedding must be a TTEmbedding, got Embedding"):
+    with pytest.raises(TypeError, match="embedding must be a TTEmbedding, got Embedding"):
         TiedTTHead(nn.Embedding(5, 4))
     with pytest.raises(ValueError, match="order must be 'auto' or one of .*got 'lr'"):
         TiedTTHead(emb, order="lr")

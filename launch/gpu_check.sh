@@ -6,7 +6,8 @@
 #   --dry-run    print the steps and exit
 # env: PYTHON (default: .venv/bin/python, else python3), WHEELS (default .whl, from launch/gpu_wheels.sh),
 #      COMERA_CHECK_WORK (runs + data cache; default /tmp/comera-check-$$), COMERA_CHECK_BUDGET_S (whole check,
-#      default 470 on GPU, 600 on CPU), COMERA_CHECK_NPROC (trainer processes, default: every visible GPU, 1 on CPU)
+#      default 470 on GPU, 600 on CPU), COMERA_CHECK_NPROC (trainer processes, default: every visible GPU, 1 on CPU),
+#      COMERA_CHECK_ONLY (space-separated step names to run, e.g. "env pretrain-z3"; default all)
 # Steps: env (installs missing wheels with pip --no-index --target), native kernel tests (TRITON_INTERPRET=0),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
@@ -16,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -ge 1 ] || { sed -n '3,16p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '3,17p' "$0" >&2; exit 2; }
 OUT=$1; shift
 MODE=gpu
 if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
@@ -88,6 +89,7 @@ START=$(date +%s)
 # run_step NAME LIMIT_S CMD...: bounded by LIMIT_S and the budget left; records rc and seconds.
 run_step() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${COMERA_CHECK_ONLY:-}" ] && [[ " $COMERA_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
   local left=$((BUDGET - ($(date +%s) - START)))
   [ "$left" -lt "$limit" ] && limit=$left
   local log="$OUT/logs/$name.log" t0 rc

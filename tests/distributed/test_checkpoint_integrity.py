@@ -1,6 +1,6 @@
-"""Checkpoint integrity on real 2-rank ZeRO-1 sessions: a bit flip, a truncated shard, a missing shard and a
-pre-manifest marker, each met by ``resume auto`` (walk back, say why) and by an explicit path (an error
-naming the file); a save whose files change before publication never moves ``latest`` nor deletes older
+"""Checkpoint integrity on real 2-rank ZeRO-1 sessions: a bit flip, a truncated shard, a missing shard, damage
+only one rank sees, and a pre-manifest marker, each met by ``resume auto`` (walk back, say why, the same
+verdict on every rank) and by an explicit path (an error naming the file); a save whose files change before publication never moves ``latest`` nor deletes older
 checkpoints; a state with non-finite tensors is never written."""
 
 from __future__ import annotations
@@ -74,6 +74,15 @@ def _write(rank: int, world_size: int, outdir: str) -> dict:
     return out
 
 
+def _sees_damage_alone(bad: Path) -> None:
+    """This rank alone finds ``bad`` damaged (as with node-local storage or a flaky read): the ranks must
+    still agree, or one would load step 6 and the other step 4."""
+    from comera_dist.engine import checkpoint
+
+    real = checkpoint.check
+    checkpoint.check = lambda path: real(path) + ([f"{bad / SHARD0}: seen by rank 1 only"] if path == bad else [])
+
+
 def _resume_variants(rank: int, world_size: int, roots: dict[str, str]) -> dict:
     from comera_dist.engine.checkpoint import CheckpointError
     from comera_dist.engine.distributed import init_distributed
@@ -83,6 +92,8 @@ def _resume_variants(rank: int, world_size: int, roots: dict[str, str]) -> dict:
     logging.getLogger("comera_dist.engine.checkpoint").addHandler(records)
     out = {}
     for variant, outdir in roots.items():
+        if variant == "one_rank" and rank == 1:
+            _sees_damage_alone(Path(outdir) / "checkpoints" / tag_for(6))
         s = _session(outdir)
         explicit = None
         try:
@@ -103,7 +114,7 @@ def runs(tmp_path_factory):
     good = tmp / "good"
     written = run_ranks(_write, tmp / "w1", str(good))
     roots = {}
-    for variant in ("flip", "truncate", "missing", "legacy"):
+    for variant in ("flip", "truncate", "missing", "legacy", "one_rank"):
         shutil.copytree(good, tmp / variant)
         roots[variant] = str(tmp / variant)
     step6 = {v: tmp / v / "checkpoints" / tag_for(6) for v in roots}
@@ -134,6 +145,7 @@ def test_corrupt_save_keeps_latest_and_older_nonfinite_never_written(runs):
     ("flip", SHARD0, "digest differs from the manifest"),
     ("truncate", MODEL, "the manifest says"),
     ("missing", SHARD1, "missing (listed in the manifest)"),
+    ("one_rank", SHARD0, "seen by rank 1 only"),  # one rank's verdict is every rank's
 ])
 def test_auto_walks_back_explicit_path_names_the_file(runs, variant, bad_file, why):
     _, _, resumed, step6 = runs

@@ -5,7 +5,10 @@ On this CPU-only machine a wrong device cannot crash anything, so ``device_guard
 checks provenance (see its docstring): it fails on ``torch.tensor(values)`` without ``device=``
 fed to an all-reduce, and on a batch that reaches ``forward`` without an explicit move.
 The run covers each path: a step with accumulation 2 (the non-finite probe and the real pass),
-evaluation, a physical prune and rebuild, the stop-flag agreement and the peak-memory metric.
+evaluation, a physical prune and rebuild, the stop-flag agreement and the peak-memory metric. It
+trains in DeepSpeed bf16 (as on a GPU), and at the end the fp32 master gates, judged by
+``gate_alive`` with the working dtype (what R and the plan use), keep exactly the ranks the bf16
+working gates keep (what the forward mask and S use).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 from dist_helpers import run_ranks
 from engine_cases import factory, micro_batches, tiny_config
 
@@ -23,17 +27,20 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
     from deepspeed.utils import safe_set_full_fp32_param
     from device_guard import DeviceGuard
 
+    from comera_dist.compression.walk import tensorized_modules
     from comera_dist.engine.device import accelerator_device
     from comera_dist.engine.distributed import init_distributed
     from comera_dist.engine.hooks import full_fp32
     from comera_dist.engine.session import TrainSession
     from comera_dist.engine.signals import StopRequest
     from comera_dist.engine.trainer import _peak_memory_bytes
+    from comera_dist.layers.base import gate_alive
     from comera_dist.models.bert_mlm import BertMLM
 
     init_distributed(60)
     guard = DeviceGuard(accelerator_device())
-    cfg = tiny_config(outdir, zero_stage=1, steps=4, accumulation=2, prune_every=2, late_stage_step=2)
+    cfg = tiny_config(outdir, zero_stage=1, steps=4, accumulation=2, prune_every=2, late_stage_step=2,
+                      precision="bf16")
     with guard.installed(BertMLM):
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         gate = dict(s.module.named_parameters())[f"{LAYER}.gates.{BOND}"]
@@ -51,9 +58,20 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
         stop.close()
         peak = _peak_memory_bytes()
         dims = s.bond_dims()[LAYER]
+        disagree, dtypes = [], set()
+        for name, layer in tensorized_modules(s.module):
+            for k, g in enumerate(layer.gates):
+                dtypes.add((g.dtype, full_fp32(g).dtype))
+                working = gate_alive(g.detach(), layer.tau)
+                master = gate_alive(full_fp32(g), layer.tau, s.penalty.working_dtype)
+                if not torch.equal(working, master):
+                    disagree.append(f"{name}.gates.{k}")
+        size_from_masters = sum(int(gate_alive(full_fp32(ref.param), ref.tau, s.penalty.working_dtype).sum())
+                                for ref in s.penalty.gates)
     return {"violations": guard.violations, "collectives": guard.collective_calls, "forwards": guard.forward_calls,
             "losses": losses, "val": val, "agreed": agreed, "peak": peak, "dims": dims,
-            "pruned": len(s.plans)}
+            "pruned": len(s.plans), "disagree": disagree, "dtypes": dtypes,
+            "alive_working": sum(sum(r) for r in s.ranks().values()), "alive_masters": size_from_masters}
 
 
 def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path) -> None:
@@ -65,3 +83,5 @@ def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path)
         assert r["forwards"] >= 3 * 2 * 2 + 2
         assert r["collectives"] > 0 and r["agreed"] is False and r["peak"] > 0
         assert all(math.isfinite(v) for v in r["losses"]) and math.isfinite(r["val"][0])
+        assert r["dtypes"] == {(torch.bfloat16, torch.float32)}  # bf16 working gates, fp32 masters
+        assert r["disagree"] == [] and r["alive_working"] == r["alive_masters"]

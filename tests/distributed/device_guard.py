@@ -5,7 +5,8 @@ for it, so a plain device comparison can never fail here. The guard checks *prov
 instead, with a ``TorchFunctionMode`` that watches every torch call of the process:
 
 * **Collectives.** A tensor that our package (``comera_dist``) builds with a factory
-  (``torch.tensor``, ``zeros``, ...) without an explicit ``device=`` is tainted, and so is
+  (``torch.tensor``, ``zeros``, ...) without an explicit ``device=``, or brings to the host with
+  ``.cpu()``, is tainted, and so is
   everything computed from it, until an explicit ``.to(device)``. Every
   ``torch.distributed`` collective (which ``deepspeed.comm`` calls underneath) is wrapped and
   raises on a tainted tensor, or on one whose device is not the accelerator's. This is exactly
@@ -79,7 +80,10 @@ class DeviceGuard(TorchFunctionMode):
         out = func(*args, **kwargs)
         explicit = _explicit_device(func, args, kwargs)
         outs = _tensors(out)
-        if func in FACTORIES:
+        if func is torch.Tensor.cpu and _ours(sys._getframe(1)):  # names the host: wrong for NCCL
+            for t in outs:
+                setattr(t, TAINT, f"cpu() at {_where(sys._getframe(1))}")
+        elif func in FACTORIES:
             if explicit is None and _ours(sys._getframe(1)):
                 for t in outs:
                     setattr(t, TAINT, f"{getattr(func, '__name__', func)} at {_where(sys._getframe(1))}")

@@ -119,7 +119,9 @@ env_step() {
 }
 
 pretrain_step() {  # run A to STEPS, run B resumed from A's step-CKPT checkpoint to STEPS; B must match A
-  local stage=$1 a="$WORK/z$1-a" b="$WORK/z$1-b" port=$((29600 + $1))
+  local stage=$1 a="$WORK/z$1-a" b="$WORK/z$1-b" port
+  # a free loopback port: checks (or tests) running side by side must not meet at one rendezvous
+  port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   rm -rf "$a" "$b"
   NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" \
     --set train.output_dir="$a" --resume none > "$OUT/logs/pretrain-z$stage-a.log" 2>&1 \

@@ -129,10 +129,12 @@ def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch
         host = {"loss": 1.0, "size": model_size(model)}
 
         def comera_loss(batch: dict[str, Tensor]) -> Tensor:
-            task = model(**batch)["loss"]
-            # early stage: task + gamma * R
-            return controller.objective(task, rank_penalty(model), global_loss=host["loss"],
-                                        global_size=host["size"])
+            out = model(**batch)
+            # early stage: task + gamma * R; the model's forward gives R from the masks it already
+            # made (the same value as rank_penalty(model), with fewer ops)
+            penalty = out.get("rank_penalty")
+            return controller.objective(out["loss"], rank_penalty(model) if penalty is None else penalty,
+                                        global_loss=host["loss"], global_size=host["size"])
 
         return Contender(name=name, model=model, optimizer=opt, loss=comera_loss)
     model = build_model(cfg, None).to(device)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_dist.layers.group import project, shared_factors
+from comera_dist.layers.group import project, shared_factors_and_penalty
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_linear
@@ -36,9 +36,11 @@ class SixEncoderClassifier(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> dict[str, Tensor | None]:
-        """input_ids, attention_mask: (B, T); labels: (B,) class ids. Returns loss, logits (B, num_labels)."""
+        """input_ids, attention_mask: (B, T); labels: (B,) class ids. Returns loss, logits (B, num_labels) and
+        rank_penalty (R of ``compression.penalty.rank_penalty``, None for a dense model)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
-        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
+        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for block in self.blocks:
             x = block(x, keep, factors)  # (B, T, C)
@@ -49,4 +51,4 @@ class SixEncoderClassifier(nn.Module):
             if labels.shape != logits.shape[:1]:
                 raise ValueError(f"labels must be (batch,) class ids, got shape {tuple(labels.shape)}")
             loss = F.cross_entropy(logits.float(), labels)
-        return {"loss": loss, "logits": logits}
+        return {"loss": loss, "logits": logits, "rank_penalty": penalty}

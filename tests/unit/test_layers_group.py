@@ -77,7 +77,7 @@ def test_six_encoder_with_and_without_shared_factors(monkeypatch):
     results = []
     for share in (True, False):
         if not share:
-            monkeypatch.setattr("comera_dist.models.six_encoder.shared_factors", lambda m: {})
+            monkeypatch.setattr("comera_dist.models.six_encoder.shared_factors_and_penalty", lambda m: ({}, None))
         model.zero_grad()
         loss = model(ids, labels=labels)["loss"]
         loss.backward()
@@ -98,3 +98,24 @@ def test_batched_groups_bigger_than_one(G):
         L, R = m._halves(*m.cores, *m.gates)
         torch.testing.assert_close(got[id(m)][0], L)
         torch.testing.assert_close(got[id(m)][1], R)
+
+
+def test_penalty_from_the_shared_masks_equals_rank_penalty():
+    from comera_dist.compression.penalty import rank_penalty
+    from comera_dist.layers import TTEmbedding
+    from comera_dist.layers.group import shared_factors_and_penalty
+
+    layers = _layers(3)
+    layers.append(TTEmbedding(30, 12, row_modes=[5, 6], col_modes=[3, 4], max_rank=3))
+    with torch.no_grad():
+        layers[-1].gates[0][0] = 0.005  # below tau
+    _, got = shared_factors_and_penalty(layers)
+    want = rank_penalty(layers)
+    torch.testing.assert_close(got, want)
+    got_g = torch.autograd.grad(got, list(layers.parameters()), allow_unused=True)
+    want_g = torch.autograd.grad(want, list(layers.parameters()), allow_unused=True)
+    for a, b in zip(got_g, want_g):
+        assert (a is None) == (b is None) or (a is not None and not a.any()) or (b is not None and not b.any())
+        if a is not None and b is not None:
+            torch.testing.assert_close(a, b)
+    assert shared_factors_and_penalty(torch.nn.Linear(2, 2))[1] is None

@@ -92,9 +92,14 @@ def _gate_terms(gates: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor
         g = torch.stack([m[0] for m in members])  # (n, r)
         tau = torch.stack([m[1] for m in members]).reshape(-1, 1)  # (n, 1)
         alive = gate_alive(g, tau)  # (n, r) bool
-        terms.append(((g * alive).sum(dtype=torch.promote_types(g.dtype, torch.float32)),
-                      alive.sum().to(torch.promote_types(g.dtype, torch.float32))))
+        terms.append(((g * alive).sum(dtype=_acc(g.dtype)),
+                      alive.sum().to(_acc(g.dtype))))
     return terms
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 gates: the penalty's arithmetic dtype (plain Python, no aten op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int) -> tuple[Tensor, ...]:
@@ -107,7 +112,7 @@ def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int) -> tuple[Tensor
         g = torch.stack([params[i * per + n + k] for i in range(G)])  # (G, r_k)
         alive = gate_alive(g, tau)  # (G, r_k) bool, the layers' own rule
         masks.append(g * alive)  # (G, r_k) m(g) = g [g > tau]
-        s = masks[-1].sum(dtype=torch.promote_types(g.dtype, torch.float32))  # () penalty numerator part
+        s = masks[-1].sum(dtype=_acc(g.dtype))  # () penalty numerator part
         c = alive.sum().to(s.dtype)  # () surviving entries
         total, count = (s, c) if total is None else (total + s, count + c)
     L, R = contract.contract_halves_batched(cores, masks, d)  # (G, N_in, r_d), (G, r_d, N_out)

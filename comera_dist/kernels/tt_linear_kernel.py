@@ -36,11 +36,11 @@ def _mma(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "RANK", "HAS_BIAS"])
+@triton.autotune(configs=_CONFIGS, key=["T_BUCKET", "N_IN", "N_OUT", "RANK", "HAS_BIAS"])
 @triton.jit
 def _tt_linear_fwd_kernel(
     x_ptr, l_ptr, r_ptr, b_ptr, y_ptr,
-    T, N_IN, N_OUT, RANK,
+    T, T_BUCKET, N_IN, N_OUT, RANK,
     stride_xm, stride_xk, stride_lk, stride_lr, stride_rr, stride_rn, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PAD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -79,11 +79,11 @@ def _tt_linear_fwd_kernel(
                  downcast(y, y_ptr.dtype.element_ty, DOT_FP32), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "RANK", "NEED_DX", "NEED_H"])
+@triton.autotune(configs=_CONFIGS, key=["T_BUCKET", "N_IN", "N_OUT", "RANK", "NEED_DX", "NEED_H"])
 @triton.jit
 def _tt_linear_bwd_dx_kernel(
     dy_ptr, x_ptr, l_ptr, r_ptr, dx_ptr, g_ptr, h_ptr,
-    T, N_IN, N_OUT, RANK,
+    T, T_BUCKET, N_IN, N_OUT, RANK,
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_lk, stride_lr, stride_rr, stride_rn,
     stride_dxm, stride_dxk,
     NEED_DX: tl.constexpr, NEED_H: tl.constexpr,
@@ -130,11 +130,11 @@ def _tt_linear_bwd_dx_kernel(
         tl.store(h_ptr + gh_offs, downcast(h, h_ptr.dtype.element_ty, DOT_FP32), mask=mask_m[:, None])
 
 
-@triton.autotune(configs=_CONFIGS, key=["T", "N_IN", "N_OUT", "NEED_DL", "NEED_DR", "NEED_DB"])
+@triton.autotune(configs=_CONFIGS, key=["T_BUCKET", "N_IN", "N_OUT", "NEED_DL", "NEED_DR", "NEED_DB"])
 @triton.jit
 def _tt_linear_bwd_w_kernel(
     x_ptr, g_ptr, h_ptr, dy_ptr, dl_ptr, dr_ptr, db_ptr,
-    T, N_IN, N_OUT,
+    T, T_BUCKET, N_IN, N_OUT,
     stride_xm, stride_xk, stride_dym, stride_dyn,
     NEED_DL: tl.constexpr, NEED_DR: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -208,6 +208,15 @@ def _check(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None) -> None:
     check_same_device("tt_linear", x=x, L=L, R=R, bias=bias)
 
 
+def _bucket(tokens: int) -> int:
+    """The autotuning key's token count: the next power of two (``T_BUCKET``, unused by the kernels).
+
+    Keying on the exact T re-tunes for every new batch shape (a short last evaluation batch, a
+    different micro-batch); one tuning per power-of-two bucket is enough for these tiles.
+    """
+    return triton.next_power_of_2(max(1, tokens))
+
+
 def _r_pad(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
@@ -235,7 +244,7 @@ def tt_linear_fwd(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None, *
 
     _tt_linear_fwd_kernel[grid](
         x, L, R, bias if bias is not None else y, y,
-        T, n_in, n_out, rank,
+        T, _bucket(T), n_in, n_out, rank,
         x.stride(0), x.stride(1), L.stride(0), L.stride(1), R.stride(0), R.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, R_PAD=_r_pad(rank), DOT_FP32=INTERPRET, PRECISION=dot_precision(x.dtype),
     )
@@ -267,7 +276,7 @@ def tt_linear_bwd(dy: Tensor, x: Tensor, L: Tensor, R: Tensor, *, need_dx: bool 
     if need_dx or need_dl or need_dr:
         _tt_linear_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]),)](
             dy, x, L, R, dx if dx is not None else g, g, h,
-            T, n_in, n_out, rank,
+            T, _bucket(T), n_in, n_out, rank,
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), L.stride(0), L.stride(1),
             R.stride(0), R.stride(1), dx.stride(0) if dx is not None else 0, dx.stride(1) if dx is not None else 0,
             NEED_DX=need_dx, NEED_H=need_dr, **common,
@@ -289,7 +298,7 @@ def tt_linear_bwd(dy: Tensor, x: Tensor, L: Tensor, R: Tensor, *, need_dx: bool 
 
         _tt_linear_bwd_w_kernel[grid](
             x, g, h, dy, dl_part, dr_part, db_part,
-            T, n_in, n_out,
+            T, _bucket(T), n_in, n_out,
             x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
             NEED_DL=int(need_dl), NEED_DR=need_dr, NEED_DB=need_db, **common,
         )

@@ -202,8 +202,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default=None,
                    help="run the device comparison (dense, CoMERA, GaLore; fp32 and bf16) on this device, "
-                        "e.g. cuda; metrics carry the device name. Default: the CPU dense-vs-CoMERA run")
+                        "e.g. cuda; metrics carry the device type. Default: cuda when a GPU is visible, "
+                        "otherwise the CPU dense-vs-CoMERA run")
     args = p.parse_args(argv)
+    if args.device is None and torch.cuda.is_available():
+        args.device = "cuda"  # on a GPU machine the benchmark is the GPU comparison (launch/gpu_check.sh)
     steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):

@@ -142,7 +142,9 @@ def test_bad_input_raises_naming_it(bad, match):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+# fp32 with a fixed tolerance; bf16 is judged against the torch bf16 path's own error (below), since a
+# fixed bf16 tolerance on gradients summed over thousands of tokens failed for both paths alike.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3)])
 @pytest.mark.parametrize("T,n_in,n_out,rank", [(4096, 768, 768, 30), (1000, 768, 3072, 30),
                                                (333, 3072, 768, 17), (77, 100, 50, 3)])
 def test_gpu_matches_reference(T, n_in, n_out, rank, dtype, tol):

@@ -134,7 +134,8 @@ def test_bad_input_raises_naming_it(ids, A_shape, B_shape, match):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+# fp32 with a fixed tolerance; bf16 is judged against the torch bf16 path's own error (below).
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3)])
 @pytest.mark.parametrize("M1,N1,rank,M2,N2,T", [(320, 16, 32, 100, 48, 8192), (7, 5, 30, 11, 3, 500)])
 def test_gpu_matches_reference(M1, N1, rank, M2, N2, T, dtype, tol):
     A, B = ttm_operands(M1, N1, rank, M2, N2, dtype=dtype, device="cuda")

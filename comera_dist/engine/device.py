@@ -60,3 +60,14 @@ def collective_tensor(values: Sequence[float] | float, *, dtype: torch.dtype = t
     if isinstance(values, (int, float)):
         values = [values]
     return torch.tensor(list(values), dtype=dtype, device=accelerator_device())
+
+
+def collective_stack(values: Sequence[Tensor], *, dtype: torch.dtype = torch.float64) -> Tensor:
+    """0-d device tensors stacked into one 1-D tensor on the accelerator's device, for one collective.
+
+    Unlike :func:`collective_tensor` nothing is read back to the host first: on a GPU the values
+    (a loss, the model size S) stay queued on the stream, and the one host read happens after the
+    all-reduce, for all of them together.
+    """
+    device = accelerator_device()
+    return torch.stack([v.detach().to(device=device, dtype=dtype).reshape(()) for v in values])  # (n,)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from comera_dist.compression.accounting import compression_report, model_size
+from comera_dist.compression.accounting import compression_report, model_size, model_size_tensor
 from comera_dist.compression.controller import RankController
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.compression.walk import tensorized_modules
@@ -29,7 +29,13 @@ from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
 from comera_dist.engine.build import Built, construct_model, initialize
 from comera_dist.engine.config import solve_batch_sizes
-from comera_dist.engine.device import accelerator_device, batches_to_device, collective_tensor, to_device
+from comera_dist.engine.device import (
+    accelerator_device,
+    batches_to_device,
+    collective_stack,
+    collective_tensor,
+    to_device,
+)
 from comera_dist.engine.hooks import PenaltyHook, full_shape, gate_refs, gathered
 from comera_dist.engine.prune import (
     gather_full_state,
@@ -161,6 +167,12 @@ class TrainSession:
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
 
+    def _global_mean_of(self, *values: Tensor) -> list[float]:
+        """Like ``_global_mean`` for 0-d device tensors: one all-reduce, one host read for all of them."""
+        t = collective_stack(values)  # (n,) on the accelerator
+        dist.all_reduce(t)
+        return [v / self.world_size for v in t.tolist()]
+
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
         return out["loss"]
@@ -185,6 +197,14 @@ class TrainSession:
         with gathered(refs):
             return model_size(self.module)
 
+    def _size_tensor(self) -> Tensor:
+        """S as a 0-d device tensor, without a host read per gate (``size()`` reads every gate back:
+        one sync each on a GPU). The gates are the penalty hook's, collected once per engine."""
+        if not self.penalty.active:
+            return torch.zeros((), dtype=torch.int64, device=self.device)
+        with gathered([r.param for r in self.penalty.gates]):
+            return model_size_tensor(self.module)
+
     def train_step(self, micro_batches: Sequence[Batch] | Batch) -> StepOutput:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
 
@@ -200,11 +220,11 @@ class TrainSession:
         micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
         if len(micro_batches) > 1 and not self._all_finite(micro_batches):
             return self._skipped()
-        size = self.size()
+        size = self._size_tensor()  # 0-d, on the device: read back together with the first loss
         losses, objectives, lams, coef, r_value = [], [], [], 0.0, 0.0
         for i, batch in enumerate(micro_batches):
             task = self._forward_loss(batch)
-            global_loss, global_size = self._global_mean(float(task.detach()), float(size))
+            global_loss, global_size = self._global_mean_of(task, size)
             if not math.isfinite(global_loss):
                 if i == 0:
                     return self._skipped()  # nothing was back-propagated yet: the engine is untouched

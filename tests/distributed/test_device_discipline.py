@@ -66,11 +66,12 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
                 master = gate_alive(full_fp32(g), layer.tau, s.penalty.working_dtype)
                 if not torch.equal(working, master):
                     disagree.append(f"{name}.gates.{k}")
+        sizes = (int(s._size_tensor()), s.size())  # the step's sync-free S vs the reporting S
         size_from_masters = sum(int(gate_alive(full_fp32(ref.param), ref.tau, s.penalty.working_dtype).sum())
                                 for ref in s.penalty.gates)
     return {"violations": guard.violations, "collectives": guard.collective_calls, "forwards": guard.forward_calls,
             "losses": losses, "val": val, "agreed": agreed, "peak": peak, "dims": dims,
-            "pruned": len(s.plans), "disagree": disagree, "dtypes": dtypes,
+            "pruned": len(s.plans), "sizes": sizes, "disagree": disagree, "dtypes": dtypes,
             "alive_working": sum(sum(r) for r in s.ranks().values()), "alive_masters": size_from_masters}
 
 
@@ -85,3 +86,4 @@ def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path)
         assert all(math.isfinite(v) for v in r["losses"]) and math.isfinite(r["val"][0])
         assert r["dtypes"] == {(torch.bfloat16, torch.float32)}  # bf16 working gates, fp32 masters
         assert r["disagree"] == [] and r["alive_working"] == r["alive_masters"]
+        assert r["sizes"][0] == r["sizes"][1] > 0, r["sizes"]  # train_step's device-side S is S

@@ -44,7 +44,7 @@ if [ "$MODE" = gpu ]; then
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
   KERNEL_TESTS=(-m pytest -q -p no:cacheprovider -m gpu tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
-  BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 32 --steps 10)
+  BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
   T_KTEST=150 T_RUN=90 T_BENCH=120
 else
   export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -159,3 +159,17 @@ def test_bad_contender_and_config(tmp_path: Path):
     assert (model.hidden_size, model.num_heads) == (96, 3)
     with pytest.raises(ValueError, match="hiden"):
         codebert.load_sections(codebert.DEFAULT_CONFIG, smoke=False, overrides=["model.hiden=3"])
+
+
+def test_summary_judges_a_run_by_its_own_recorded_target(tmp_path: Path):
+    """A variant run that records its own thresholds (``bench codebert --target-ratio 8``) is judged by them."""
+    result = {"benchmark": "codebert", "machine": {}, "rows": [],
+              "config": {"target": {"compression_ratio": 8.0}},
+              "metrics": {"compression_ratio": 6.0, "val_loss_ratio_comera_over_dense": 1.0,
+                          "epoch_speedup_vs_dense": 3.5}}
+    (tmp_path / "codebert-tied.json").write_text(json.dumps(result))
+    page = tmp_path / "out.md"
+    summary.render(tmp_path, page)
+    text = page.read_text()
+    assert "| `compression_ratio` | whole-model compression at the end of training | >= 8 | 6 | MISSED" in text
+    assert "| `epoch_speedup_vs_dense` |" in text and ">= 3 | 3.5 | met" in text

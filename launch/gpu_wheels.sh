@@ -18,7 +18,7 @@ fi
 # transformers, numpy, pyarrow...; these are what it lacks, plus typing-extensions, which pydantic
 # needs newer than torch's). datasets < 5 where no venv pins it. deepspeed ships an sdist only: its pure-Python wheel is built here.
 NAMES=(datasets hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions dill multiprocess
-       galore-torch py-cpuinfo msgpack ninja einops)
+       galore-torch py-cpuinfo msgpack ninja einops xxhash)
 # Pin each to the version CI tests (this venv's), so the GPU runs what CI ran; unpinned where absent.
 BINARY=()
 for name in "${NAMES[@]}"; do

@@ -1,6 +1,7 @@
-"""ZeRO-aware rank hooks: the rank penalty applied to the gates' fp32 master gradients at every ZeRO stage.
+"""ZeRO-aware rank hooks: the rank penalty applied to the gates' fp32 master gradients (ZeRO-3).
 
-Why not just ``loss = L + c * R``? Under ZeRO-3 the gates are partitioned outside their
+Why not just ``loss = L + c * R``? At ZeRO 0-2 that is what the session does
+(``TrainSession.penalty_in_loss``): the gates are whole module parameters there. Under ZeRO-3 the gates are partitioned outside their
 layer's forward, so ``R`` cannot be computed from ``model`` parameters in the loss. Instead
 the penalty acts inside the optimizer step, on the full fp32 master state:
 

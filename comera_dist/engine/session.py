@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from comera_dist.compression.accounting import compression_report, model_size, model_size_tensor
 from comera_dist.compression.controller import RankController
+from comera_dist.compression.penalty import rank_penalty
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.configbase import to_dict
@@ -167,6 +168,19 @@ class TrainSession:
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
 
+    @property
+    def penalty_in_loss(self) -> bool:
+        """Whether R enters the loss directly (ZeRO 0-2) instead of the proxy-and-inject path (ZeRO 3).
+
+        At ZeRO 0-2 every gate is a whole, replicated module parameter, so ``rank_penalty(module)``
+        is differentiable in the graph: autograd adds ``c * dR/dg`` to the gates' gradients in the
+        same backward, with DeepSpeed's accumulation and loss scaling, and no per-gate full-gradient
+        get/set (each a host sync in DeepSpeed's inf check) is needed. ZeRO-3 partitions the gates
+        outside their layer's forward, hence ``hooks.PenaltyHook``. Both give the same update
+        (tests/distributed/test_engine_equivalence.py, every stage against the loss-side reference).
+        """
+        return self.cfg.deepspeed.zero_stage < 3
+
     def _global_mean_of(self, *values: Tensor) -> list[float]:
         """Like ``_global_mean`` for 0-d device tensors: one all-reduce, one host read for all of them."""
         t = collective_stack(values)  # (n,) on the accelerator
@@ -236,26 +250,30 @@ class TrainSession:
                                    "forward?); the step's accumulation cannot be undone")
             if i == 0 and self.penalty.active:
                 self.controller.advance(self.steps_done + 1, global_loss, round(global_size))
+            proxy = None
             if self.penalty.active:
-                proxy = self.penalty.proxy()  # 0-d leaf holding R
-                objective = self.controller.objective(task, proxy, global_loss=global_loss,
+                if self.penalty_in_loss:
+                    penalty = rank_penalty(self.module)  # 0-d, in the graph of the module's whole gates
+                else:
+                    penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
+                objective = self.controller.objective(task, penalty, global_loss=global_loss,
                                                       global_size=round(global_size))
-                r_value = float(proxy.detach())
+                r_value = penalty.detach()  # read back once, after the step
             else:
-                proxy, objective = None, task
+                objective = task
             self.engine.backward(objective)
             if proxy is not None:
                 coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients
             losses.append(global_loss)
             objectives.append(self._global_mean(float(objective.detach()))[0])
             lams.append(float(self.controller.lam or 0) if self.controller.stage == "late" else 0.0)
-            if self.engine.is_gradient_accumulation_boundary():
+            if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
                 self.penalty.inject(coef)
             self.engine.step()
         self.steps_done += 1
         norm = self.engine.get_global_grad_norm()
         return StepOutput(loss=sum(objectives) / len(objectives), task_loss=sum(losses) / len(losses),
-                          penalty=r_value, lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
+                          penalty=float(r_value), lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
                           lr=float(self.engine.get_lr()[0]), grad_norm=float("nan") if norm is None else float(norm))
 
     def _skipped(self) -> StepOutput:

@@ -6,7 +6,7 @@ Layout under ``<output_dir>/checkpoints``::
         comera_meta.json     shapes (pruning plans), config identity, step, world size, ZeRO stage
         comera_full_state.pt full fp32 weights + AdamW moments + schedule (elastic resume, see session)
         config.yaml          the resolved run config
-        COMPLETE             the manifest (every file, size, sha256), written last: the checkpoint is whole
+        COMPLETE             the manifest (every file, size, xxh3-128 digest), written last: the checkpoint is whole
     latest                   the tag of the newest complete, verified checkpoint (DeepSpeed's format)
 
 All ranks call ``engine.save_checkpoint`` under a temporary tag ``.tmp-<tag>``; after a

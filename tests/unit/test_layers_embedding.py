@@ -6,23 +6,14 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from tt_cases import gated_embedding
 
 from comera_dist.layers import TTEmbedding
 
 
-def _emb(V=50, N=12, num_cores=3, max_rank=4, dtype=torch.float64, **kw):
-    torch.manual_seed(0)
-    emb = TTEmbedding(V, N, num_cores=num_cores, max_rank=max_rank, dtype=dtype, **kw)
-    with torch.no_grad():
-        for g in emb.gates:
-            g.uniform_(0.5, 1.5)
-        emb.gates[0][1] = 0.002  # below tau
-    return emb
-
-
 @pytest.mark.parametrize("num_cores", [2, 3, 4, 5, 6, 8])
 def test_lookup_matches_table_forward_backward(num_cores):
-    emb = _emb(V=200, N=16, num_cores=num_cores)
+    emb = gated_embedding(V=200, N=16, num_cores=num_cores)
     assert math.prod(emb.row_modes) >= 200
     ids = torch.randint(0, 200, (3, 7))
     ids[0, :4] = 5  # repeated ids
@@ -38,7 +29,7 @@ def test_lookup_matches_table_forward_backward(num_cores):
 
 
 def test_gradcheck():
-    emb = _emb(V=30, N=4, num_cores=3, max_rank=3)
+    emb = gated_embedding(V=30, N=4, num_cores=3, max_rank=3)
     ids = torch.tensor([0, 7, 7, 29, 13])
     names = [n for n, _ in emb.named_parameters()]
 
@@ -82,7 +73,7 @@ def test_forward_and_backward_never_build_the_table():
 
 
 def test_padding_idx_rows_are_zero_and_get_no_gradient():
-    emb = _emb(V=40, N=6, padding_idx=3)
+    emb = gated_embedding(V=40, N=6, padding_idx=3)
     ids = torch.tensor([[3, 1, 3, 7], [2, 3, 9, 9]])
     out = emb(ids)
     assert torch.all(out[ids == 3] == 0) and torch.all(out[ids != 3].abs().sum(-1) > 0)

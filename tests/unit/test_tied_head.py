@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from tt_cases import gated_embedding
 
 from comera_dist.compression.accounting import compression_report, model_size
 from comera_dist.compression.config import LrConfig
 from comera_dist.compression.groups import param_groups
 from comera_dist.compression.pruning import apply_plan, make_plan
 from comera_dist.compression.walk import tensorized_modules
-from comera_dist.layers import TiedTTHead, TTEmbedding
+from comera_dist.layers import TiedTTHead
 from comera_dist.tensor import contract
 from comera_dist.tensor.cost import (
     choose_ttm_head_order,
@@ -21,16 +22,6 @@ from comera_dist.tensor.cost import (
     ttm_head_costs,
     ttm_head_orders,
 )
-
-
-def _emb(V=50, N=12, num_cores=3, max_rank=4, dtype=torch.float64, **kw):
-    torch.manual_seed(0)
-    emb = TTEmbedding(V, N, num_cores=num_cores, max_rank=max_rank, dtype=dtype, **kw)
-    with torch.no_grad():
-        for g in emb.gates:
-            g.uniform_(0.5, 1.5)
-        emb.gates[0][1] = 0.002  # below tau: masked out
-    return emb
 
 
 def _with_bias(head):
@@ -42,7 +33,7 @@ def _with_bias(head):
 
 @pytest.mark.parametrize("num_cores", [2, 3, 4])
 def test_every_order_matches_the_densified_table_forward_and_backward(num_cores):
-    emb = _emb(V=61, N=12, num_cores=num_cores)  # 61 rows: the TTM pads them up to prod(row_modes)
+    emb = gated_embedding(V=61, N=12, num_cores=num_cores)  # 61 rows: the TTM pads them up to prod(row_modes)
     assert math.prod(emb.row_modes) > 61
     head = _with_bias(TiedTTHead(emb, bias=True))
     h = torch.randn(2, 5, 12, dtype=torch.float64)
@@ -70,7 +61,7 @@ def test_every_order_matches_the_densified_table_forward_and_backward(num_cores)
 
 @pytest.mark.parametrize("num_cores", [2, 3, 4])
 def test_gradcheck_float64(num_cores):
-    emb = _emb(V=10, N=6, num_cores=num_cores, max_rank=3)
+    emb = gated_embedding(V=10, N=6, num_cores=num_cores, max_rank=3)
     n = len(emb.cores)
     h = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     inputs = (h, *[c.detach().clone().requires_grad_() for c in emb.cores],
@@ -87,7 +78,7 @@ def test_gradcheck_float64(num_cores):
 
 
 def test_padding_idx_column_is_zero_like_the_table():
-    emb = _emb(V=20, N=6, num_cores=2, padding_idx=3)
+    emb = gated_embedding(V=20, N=6, num_cores=2, padding_idx=3)
     head = TiedTTHead(emb, bias=False)
     h = torch.randn(4, 6, dtype=torch.float64)
     out = head(h)
@@ -96,7 +87,7 @@ def test_padding_idx_column_is_zero_like_the_table():
 
 
 def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest():
-    emb = _emb(V=300, N=24, num_cores=3, max_rank=5, dtype=torch.float32)
+    emb = gated_embedding(V=300, N=24, num_cores=3, max_rank=5, dtype=torch.float32)
     head = TiedTTHead(emb, bias=False)
     h = torch.randn(7, 24)
     ranks = emb.full_ranks(active=False)
@@ -121,7 +112,7 @@ def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest()
 
 
 def test_bad_arguments_are_clear_errors():
-    emb = _emb()
+    emb = gated_embedding()
     with pytest.raises(TypeError, match="embedding must be a TTEmbedding, got Embedding"):
         TiedTTHead(nn.Embedding(5, 4))
     with pytest.raises(ValueError, match="order must be 'auto' or one of .*got 'lr'"):
@@ -143,7 +134,7 @@ def test_bad_arguments_are_clear_errors():
 class _Tied(nn.Module):
     def __init__(self):
         super().__init__()
-        self.word = _emb(V=40, N=12, num_cores=3, max_rank=4)
+        self.word = gated_embedding(V=40, N=12, num_cores=3, max_rank=4)
         self.head = TiedTTHead(self.word, bias=True)
 
 

@@ -268,7 +268,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     the smallest, where ``dev`` is the device type (``cuda`` on a GPU).
     """
     load_start = os.getloadavg()
-    b_lo, b_hi = min(sizes), max(sizes)
+    b_lo = min(sizes)
     rows: list[dict[str, Any]] = []
     for dtype_name, autocast in DEVICE_DTYPES.items():
         for name in ("dense", "comera", "galore"):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from comera_dist.compression.walk import tensorized_modules
-from comera_dist.layers.base import gate_alive
+from comera_dist.layers.base import gate_sums
 
 
 def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] | float | Tensor, *,
@@ -39,7 +39,6 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
         taus = [taus] * len(gates)
     if len(taus) != len(gates):
         raise ValueError(f"penalty_from_gates: got {len(gates)} gate vectors but {len(taus)} taus")
-    classes: dict[tuple, list[int]] = {}
     for i, (g, tau) in enumerate(zip(gates, taus)):
         if g.dim() != 1:
             raise ValueError(f"penalty_from_gates: gates[{i}] must be 1-D, got shape {tuple(g.shape)}")
@@ -47,25 +46,11 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
         # by the layers, and reading them back would force a device sync per gate.
         if not isinstance(tau, Tensor) and not tau > 0:
             raise ValueError(f"penalty_from_gates: tau for gates[{i}] must be > 0, got {tau}")
-        classes.setdefault((g.shape[0], g.dtype, g.device), []).append(i)
     total = gates[0].new_zeros((), dtype=torch.promote_types(gates[0].dtype, torch.float32))
     count = gates[0].new_zeros((), dtype=total.dtype)
-    for (_, _, device), idx in classes.items():
-        g = torch.stack([gates[i] for i in idx])  # (n, r) gates of one length
-        tau = _stack_taus([taus[i] for i in idx], device)  # (n, 1)
-        alive = gate_alive(g, tau, working_dtype)  # (n, r) bool
-        total = total + (g * alive).sum(dtype=torch.promote_types(g.dtype, torch.float32))  # () sum of m(g)
-        count = count + alive.sum()  # () surviving entries, no gradient
+    for s, c in gate_sums(gates, taus, working_dtype):  # one (sum m(g), #alive) per gate length
+        total, count = total + s, count + c
     return total / count.clamp(min=1)
-
-
-def _stack_taus(taus: list[float | Tensor], device: torch.device) -> Tensor | float:
-    """(n, 1) thresholds: buffers stacked on the device; one Python number stays a number."""
-    if all(isinstance(t, Tensor) for t in taus):
-        return torch.stack([t if t.dim() == 0 else t.reshape(()) for t in taus]).unsqueeze(1)  # (n, 1)
-    if all(not isinstance(t, Tensor) for t in taus) and len(set(taus)) == 1:
-        return float(taus[0])
-    return torch.stack([torch.as_tensor(t, dtype=torch.float32, device=device).reshape(()) for t in taus]).unsqueeze(1)
 
 
 def rank_penalty(model: nn.Module) -> Tensor:

@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, downcast, dot_precision, split_count, tune_configs
+from comera_dist.kernels.launch import (
+    INTERPRET,
+    check_same_device,
+    dot_precision,
+    downcast,
+    split_count,
+    tune_configs,
+)
 
 # Autotuning candidates (BLOCK_M, BLOCK_K, BLOCK_N, warps, stages); the interpreter uses only the first.
 _CONFIGS = tune_configs([(32, 32, 32, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3),

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from comera_dist.kernels.launch import INTERPRET, check_same_device, downcast, dot_precision, warp_configs
+from comera_dist.kernels.launch import INTERPRET, check_same_device, dot_precision, downcast, warp_configs
 
 # The tiles are fixed by (N1, r, N2); only the warp count is worth tuning for these small products.
 _CONFIGS = warp_configs((4, 2, 1, 8))

@@ -8,6 +8,7 @@ the cores physically.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,35 @@ def gate_alive(g: Tensor, tau: Tensor | float, working_dtype: torch.dtype | None
         g = g.to(working_dtype)
     cmp = torch.promote_types(g.dtype, torch.float32)  # fp32, or fp64 for fp64 gates (references)
     return g.to(cmp) > (tau.to(cmp) if isinstance(tau, Tensor) else float(tau))
+
+
+def gate_sums(gates: Sequence[Tensor], taus: Sequence[Tensor | float], working_dtype: torch.dtype | None = None
+              ) -> list[tuple[Tensor, Tensor]]:
+    """``(sum of m(g), #(g > tau))`` per class of gates of one length (dtype, device), stacked.
+
+    The pieces of the rank penalty ``R = sum m(g) / #alive`` (``compression.penalty``): a handful
+    of ops per gate length instead of several per gate, and no host reads (tensor thresholds stay
+    on the device). Sums are in fp32 or wider; counts are int64. Differentiable in the gates.
+    """
+    classes: dict[tuple, list[int]] = {}
+    for i, g in enumerate(gates):
+        classes.setdefault((g.shape[0], g.dtype, g.device), []).append(i)
+    terms = []
+    for (_, _, device), idx in classes.items():
+        g = torch.stack([gates[i] for i in idx])  # (n, r) gates of one length
+        tau = _stack_taus([taus[i] for i in idx], device)  # (n, 1) or one number
+        alive = gate_alive(g, tau, working_dtype)  # (n, r) bool
+        terms.append(((g * alive).sum(dtype=torch.promote_types(g.dtype, torch.float32)), alive.sum()))
+    return terms
+
+
+def _stack_taus(taus: list[Tensor | float], device: torch.device) -> Tensor | float:
+    """(n, 1) thresholds: buffers stacked on the device; one Python number stays a number."""
+    if all(isinstance(t, Tensor) for t in taus):
+        return torch.stack([t if t.dim() == 0 else t.reshape(()) for t in taus]).unsqueeze(1)  # (n, 1)
+    if all(not isinstance(t, Tensor) for t in taus) and len(set(taus)) == 1:
+        return float(taus[0])
+    return torch.stack([torch.as_tensor(t, dtype=torch.float32, device=device).reshape(()) for t in taus]).unsqueeze(1)
 
 
 class TensorizedModule(nn.Module):

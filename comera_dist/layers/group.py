@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from comera_dist.layers.base import TensorizedModule, gate_alive
+from comera_dist.layers.base import TensorizedModule, gate_alive, gate_sums
 from comera_dist.layers.linear import TTLinear
 from comera_dist.tensor import contract
 from comera_dist.tensor.smallops import on_one_thread
@@ -63,7 +63,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
             continue
         n, G = len(group[0].cores), len(group)
         params = [t for layer in group for t in (*layer.cores, *layer.gates, layer.tau)]
-        got = on_one_thread(lambda *p: _batched(p, n, G, group[0].d), *params)  # G L's, G R's, sum, count
+        got = on_one_thread(lambda *p, n=n, G=G, d=group[0].d: _batched(p, n, G, d), *params)  # G L, G R, sum, count
         for i, layer in enumerate(group):
             out[id(layer)] = (got[i], got[G + i])
         terms.append((got[2 * G], got[2 * G + 1]))
@@ -72,7 +72,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
         return out, None
     rest = [(g, layer.tau) for layer in module.modules()
             if isinstance(layer, TensorizedModule) and id(layer) not in covered for g in layer.gates]
-    terms += _gate_terms(rest)
+    terms += gate_sums([g for g, _ in rest], [tau for _, tau in rest])
     if not terms:
         return out, None
     total = terms[0][0]
@@ -80,21 +80,6 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for t, c in terms[1:]:
         total, count = total + t, count + c
     return out, total / count.clamp(min=1)
-
-
-def _gate_terms(gates: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-    """``(sum of m(g) in fp32, #(g > tau))`` per gate length, gates of one length stacked."""
-    classes: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
-    for g, tau in gates:
-        classes.setdefault((g.shape[0], g.dtype, g.device), []).append((g, tau))
-    terms = []
-    for members in classes.values():
-        g = torch.stack([m[0] for m in members])  # (n, r)
-        tau = torch.stack([m[1] for m in members]).reshape(-1, 1)  # (n, 1)
-        alive = gate_alive(g, tau)  # (n, r) bool
-        terms.append(((g * alive).sum(dtype=_acc(g.dtype)),
-                      alive.sum().to(_acc(g.dtype))))
-    return terms
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

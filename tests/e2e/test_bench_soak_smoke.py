@@ -11,6 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # one real training process (not a distributed test)
 REPO = Path(__file__).resolve().parents[2]
 CACHE = os.environ.get("COMERA_TEST_CACHE", str(Path(tempfile.gettempdir()) / "comera-dist-test-cache"))
 

@@ -38,12 +38,17 @@ def consolidate(engine, client: dict[str, Any]) -> tuple[dict[str, Any], list[st
     (the CoMERA client state, which DeepSpeed keeps inside its own shards).
     """
     state = gather_full_state(engine)
-    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     payload = {"params": _cpu(state.params), "buffers": _cpu(state.buffers),
                "moments": {n: _cpu(m) for n, m in state.moments.items()}, "step": state.step,
-               "scheduler": sched, "global_steps": int(engine.global_steps),
-               "global_samples": int(engine.global_samples), "client": client}
+               **schedule_position(engine), "client": client}
     return payload, nonfinite_entries(payload)
+
+
+def schedule_position(engine) -> dict[str, Any]:
+    """``scheduler`` (the LR scheduler's state dict or None), ``global_steps`` and ``global_samples``
+    of ``engine``: what :func:`restore_schedule` writes into a fresh engine (resume, prune rebuild)."""
+    return {"scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples)}
 
 
 def nonfinite_entries(payload: dict[str, Any]) -> list[str]:
@@ -67,7 +72,8 @@ def restore_schedule(engine, payload: dict[str, Any]) -> None:
     sched = payload["scheduler"]
     if sched is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(sched)
-        # A fresh scheduler wrote its initial lrs into the groups: re-apply the saved position.
+        # A fresh scheduler has written its *initial* lrs into the new param groups; re-apply the
+        # schedule at the saved position, or the next step would run at the warmup-start lr.
         engine.lr_scheduler.step(sched["last_batch_iteration"])
     engine.global_steps = payload["global_steps"]
     engine.global_samples = payload["global_samples"]

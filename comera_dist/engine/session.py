@@ -337,20 +337,10 @@ class TrainSession:
         return True
 
     def _rebuild(self, model: nn.Module, state) -> None:
-        sched = self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else None
-        old = self.engine
-        self.engine = None
-        old.destroy()
-        built = self._initialize(self.cfg, model, self.world_size)
-        self._use(built)
+        position = elastic.schedule_position(self.engine)
+        self._replace_engine(model)
         restore_optimizer_state(self.engine, state, set_master=self.cfg.deepspeed.precision != "fp32")
-        if sched is not None:
-            # A fresh scheduler has written its *initial* lrs into the new param groups; re-apply the
-            # schedule at the saved position, or the next step would run at the warmup-start lr.
-            self.engine.lr_scheduler.load_state_dict(sched)
-            self.engine.lr_scheduler.step(sched["last_batch_iteration"])
-        self.engine.global_steps = old.global_steps
-        self.engine.global_samples = old.global_samples
+        elastic.restore_schedule(self.engine, position)
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -58,11 +58,15 @@ def test_bad_config_path_is_a_clear_error(slurm_1node):
 
 def test_sbatch_test_only_accepts_gpu_defaults_overridden(slurm_1node, tmp_path):
     # the script's own #SBATCH lines (gpu partition, 8 GPUs, 64 CPUs) do not fit here; overrides do
-    bad = slurm_1node.run("sbatch", "--test-only", REPO / "slurm/pretrain.sh", "README.md", check=False)
-    ok = subprocess.run(["sbatch", "--test-only", *cpu_overrides(tmp_path / "x.out"), REPO / "slurm/pretrain.sh",
-                         "README.md"], env=slurm_1node.env, cwd=REPO, capture_output=True, text=True, check=False)
-    assert "to start at" in ok.stderr, ok.stderr
-    assert "to start at" not in bad
+    def dry_submit(*options):  # sbatch --test-only reports on stderr, accepted or not
+        return subprocess.run(["sbatch", "--test-only", *map(str, options), REPO / "slurm/pretrain.sh", "README.md"],
+                              env=slurm_1node.env, cwd=REPO, capture_output=True, text=True, check=False)
+
+    ok = dry_submit(*cpu_overrides(tmp_path / "x.out"))
+    assert ok.returncode == 0 and "to start at" in ok.stderr, ok.stderr
+    bad = dry_submit()
+    assert bad.returncode != 0 and bad.stderr.strip(), bad.stdout + bad.stderr
+    assert "to start at" not in bad.stdout + bad.stderr
 
 
 def test_one_node_job_completes_with_log_and_checkpoint(slurm_1node, tmp_path):

@@ -19,17 +19,29 @@ from slurmharness import SlurmCluster, free_port_block
 
 NEEDS_SLURM = [b for b in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(b) is None]
 NEEDS_PROM = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
-
-# CI sets COMERA_REQUIRE_SERVICES=1: there a missing program is an install failure, never a skip.
-if os.environ.get("COMERA_REQUIRE_SERVICES") == "1" and (NEEDS_SLURM or NEEDS_PROM):
-    raise RuntimeError(f"COMERA_REQUIRE_SERVICES=1 but these programs are missing: {NEEDS_SLURM + NEEDS_PROM}")
+# the daemons run as root here (slurmd spawns jobs as their user, munged drops to user munge)
+SLURM_UNMET = [f"{b} not on PATH" for b in NEEDS_SLURM] + ([] if os.geteuid() == 0 else [f"euid {os.geteuid()} is not root"])
 
 requires_slurm = pytest.mark.skipif(
-    bool(NEEDS_SLURM) or os.geteuid() != 0,
-    reason=f"real Slurm needs root and Debian slurmctld/slurmd/munge (missing: {NEEDS_SLURM}); "
-           "launch/setup.sh --dev installs them")
+    bool(SLURM_UNMET), reason=f"real Slurm needs root and Debian slurmctld/slurmd/munge ({'; '.join(SLURM_UNMET)}); "
+                              "launch/setup.sh --dev installs them")
 requires_prometheus = pytest.mark.skipif(
     bool(NEEDS_PROM), reason=f"needs Debian prometheus/promtool (missing: {NEEDS_PROM}); launch/setup.sh --dev")
+
+# CI sets COMERA_REQUIRE_SERVICES=1: there every skip in this folder (a missing program, not
+# root, or any other reason) is a failure that names the reason, never a quiet "s".
+REQUIRE_SERVICES = os.environ.get("COMERA_REQUIRE_SERVICES") == "1"
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if REQUIRE_SERVICES and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"COMERA_REQUIRE_SERVICES=1 turns this skip into a failure: {reason}"
+    return report
 
 
 @pytest.fixture(scope="session")

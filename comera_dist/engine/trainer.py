@@ -177,9 +177,13 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             faults.arm(step)
             t0 = time.perf_counter()
             out = session.train_step(data.next_train_batches())
+            # the step's kernels may still run (e.g. the optimizer's, when no host read follows them):
+            # the step time ends when the device has finished the step
+            get_accelerator().synchronize()
+            step_time = time.perf_counter() - t0
             faults.arm(step, training=False)
             guard.update(out.skipped_nonfinite)
-            values = _step_metrics(out, time.perf_counter() - t0, data.tokens_per_step, guard)
+            values = _step_metrics(out, step_time, data.tokens_per_step, guard)
             if out.skipped_nonfinite and info.rank == 0:
                 log.warning("step %d: non-finite loss, step skipped (%d in a row, %d in total)",
                             step, guard.consecutive, guard.total)

@@ -1,0 +1,252 @@
+"""``python -m comera_dist.bench trainer-rate``: the real trainer's step rate vs the bare CoMERA step.
+
+One run, one device (``--device``; default cuda when a GPU is visible, else the CPU), one config
+(``--config``, default ``configs/six-encoder-mlm.yaml``, with ``--set key=value`` overrides applied
+by ``config.load_run_config`` exactly as ``comera pretrain --set`` applies them):
+
+1. **bench**: the trainer's model (``engine.model_factory.build_run_model(cfg)``) on the device, and
+   the bare CoMERA step of ``bench six-encoder``: forward + backward + fused ``torch.optim.AdamW`` over
+   ``compression.groups.param_groups(model, cfg.comera.lr)``, the objective through
+   ``RankController.objective`` (early stage: task loss + gamma * R). Eager, under ``torch.autocast``
+   in bf16 (fp16) over fp32 weights when ``deepspeed.precision`` is bf16 (fp16). The batch is a
+   random MLM batch of the trainer's micro-batch shape: ``input_ids`` (B, T) uniform over the
+   vocabulary, ``labels`` the ids at 15% of the positions and -100 elsewhere, B =
+   ``deepspeed.micro_batch_size_per_gpu``, T = ``data.seq_len``. ``--warmup`` untimed steps, then
+   ``--steps`` timed ones with a device synchronize before and after each (as ``six-encoder`` times);
+   ``bench_tokens_per_s`` = B * T / median step time.
+2. **trainer**: the same config trained by ``engine.trainer.train`` in this process as a 1-rank job,
+   the way ``bench soak`` runs it: the same ``load_run_config`` + ``train()`` that the recorded
+   ``command`` (``comera pretrain --config ... --set ... --resume none``) runs, DeepSpeed (ZeRO stage,
+   precision, its AdamW) from the config, the real data pipeline (the corpus and tokenizer are
+   prepared first, or read from ``$COMERA_CACHE``). ``train.steps`` = ``--skip`` + ``--steps``; no
+   evaluation or checkpoint inside the timed steps (the trainer always evaluates at step 0 and
+   evaluates and checkpoints after the last step, outside every step's timing); no Prometheus,
+   progress bar or report; the periodic compression report only after the last step.
+   ``trainer_tokens_per_s`` is the median, over the steps after the first ``--skip`` (allocations,
+   cuBLAS/cuDNN start-up), of the trainer's own ``tokens_per_second``: the values it logged through
+   ``Metrics.log``, read from the run's ``metrics.history`` when it closes (the same numbers its
+   ``step N/M ... tokens_per_second X`` log lines print). The trainer times ``perf_counter`` around
+   fetching the batch and ``session.train_step`` and synchronizes the accelerator before reading the
+   clock, so a step time covers the step's device work, like the bench's.
+   ``trainer_loop_tokens_per_s`` (reported, not the target) is the loop's wall rate: B * T over the
+   median interval between the starts of consecutive timed ``session.train_step`` calls, which also
+   covers the metrics call and the host work between steps.
+
+So the ratio compares one optimizer step of the same model on the same device at the same batch:
+the trainer's (DeepSpeed engine, bf16 weights in DeepSpeed's bf16 mode, ZeRO's optimizer, the
+session's host reads of the global loss and objective, the data loader) against the bare
+eager step (autocast over fp32 weights, no DeepSpeed, a fixed batch already on the device).
+Metrics: ``bench_tokens_per_s``, ``trainer_tokens_per_s``, ``trainer_rate_over_bench`` (target 0.8)
+and ``trainer_loop_tokens_per_s``. ``--smoke``: ``configs/codebert-tiny-cpu.yaml`` shrunk like
+``launch/gpu_check.sh --cpu-smoke`` (CI, under a minute on a CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from comera_dist.bench.common import base_parser, write_result
+
+CONFIG = "configs/six-encoder-mlm.yaml"
+SMOKE_CONFIG = "configs/codebert-tiny-cpu.yaml"
+SMOKE_SETS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=2",
+              "model.vocab_size=512", "data.tokenizer.vocab_size=512", "data.max_files=30", "data.seq_len=32",
+              "deepspeed.micro_batch_size_per_gpu=4", "comera.tensorize.max_rank=4",
+              "comera.tensorize.embedding_max_rank=4"]
+"""``--smoke``: the tiny CodeBERT shrunk as ``launch/gpu_check.sh --cpu-smoke`` shrinks it."""
+TARGET = 0.8
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MLM_PROBABILITY = 0.15
+
+
+def trainer_sets(steps: int, out_dir: Path) -> list[str]:
+    """Overrides of the timed trainer run (the caller's ``--set`` values come after and win)."""
+    return [f"train.steps={steps}", f"train.output_dir={out_dir}", "train.resume=none",
+            "train.eval_every=0", "train.checkpoint_every=0",  # 0: only after the last step
+            "train.eval_batches=1", f"train.log_every={steps}", "metrics.prometheus=false",
+            "metrics.progress=false", "metrics.report=false"]
+
+
+def random_mlm_batch(vocab_size: int, batch: int, seq_len: int, device: torch.device,
+                     seed: int = 0) -> dict[str, Tensor]:
+    """input_ids (B, T) uniform over the vocabulary; labels (B, T): the id at 15% of positions, -100 elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)  # (B, T)
+    selected = torch.rand(batch, seq_len, generator=gen) < MLM_PROBABILITY  # (B, T)
+    selected[:, 0] = True  # at least one label per row: the loss is never an empty mean
+    labels = torch.where(selected, ids, -100)  # (B, T)
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    """The bare CoMERA step of ``cfg``'s model at the trainer's micro-batch (see the module docstring)."""
+    from comera_dist.bench.six_encoder import ADAMW, Contender
+    from comera_dist.compression.accounting import model_size
+    from comera_dist.compression.controller import RankController
+    from comera_dist.compression.groups import param_groups
+    from comera_dist.compression.penalty import rank_penalty
+    from comera_dist.engine.model_factory import build_run_model
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_run_model(cfg).to(device)
+    lr = cfg.comera.lr
+    opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, **ADAMW)
+    controller = RankController(cfg.comera.controller)
+    size = model_size(model)  # host inputs of the late stage; the benchmark stays in the early stage
+
+    def loss(batch: dict[str, Tensor]) -> Tensor:
+        out = model(**batch)
+        penalty = out.get("rank_penalty")  # six_encoder_cls gives R from its masks; bert_mlm does not
+        return controller.objective(out["loss"], rank_penalty(model) if penalty is None else penalty,
+                                    global_loss=1.0, global_size=size)
+
+    c = Contender(name="comera", model=model, optimizer=opt, loss=loss,
+                  autocast=AUTOCAST[cfg.deepspeed.precision])
+    b, t = cfg.deepspeed.micro_batch_size_per_gpu, cfg.data.seq_len
+    batch = random_mlm_batch(cfg.model.vocab_size, b, t, device)
+    for _ in range(warmup):
+        c.step(batch)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(steps):  # a device synchronize before and after each step: a time covers its kernels
+        sync()
+        t0 = time.perf_counter()
+        c.train_step(batch)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "step_min_s": min(times), "tokens_per_step": b * t,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _single_rank_env(device: torch.device) -> None:
+    """RANK/WORLD_SIZE/... of a 1-process job on a free loopback port; DeepSpeed's accelerator = the device."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    accelerator = "cuda" if device.type == "cuda" else "cpu"
+    if os.environ.setdefault("DS_ACCELERATOR", accelerator) != accelerator:
+        raise SystemExit(f"trainer-rate: DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} but --device {device}")
+
+
+def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]) -> Callable[[], None]:
+    """Wrap ``train_step`` (start time of every step) and ``Metrics.close`` (keep the run's history);
+    returns the function that puts the real methods back."""
+    step, close = session_cls.train_step, metrics_cls.close
+
+    def train_step(self, *args, **kwargs):
+        starts.append(time.perf_counter())
+        return step(self, *args, **kwargs)
+
+    def observed_close(self):
+        histories.append(self.history)
+        return close(self)
+
+    session_cls.train_step, metrics_cls.close = train_step, observed_close
+
+    def restore() -> None:
+        session_cls.train_step, metrics_cls.close = step, close
+
+    return restore
+
+
+def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: Path) -> dict[str, Any]:
+    """Train ``config`` for ``skip + steps`` steps in this process; the trainer's own per-step rates."""
+    from comera_dist.config import load_run_config
+    from comera_dist.engine.session import TrainSession
+    from comera_dist.engine.trainer import train
+    from comera_dist.metrics import Metrics
+
+    cfg = load_run_config(config, sets)
+    starts: list[float] = []
+    histories: list[Any] = []
+    restore = _observe(TrainSession, Metrics, starts, histories)
+    t0 = time.perf_counter()
+    try:
+        status = train(cfg, resume=cfg.train.resume)
+    finally:
+        restore()
+    wall = time.perf_counter() - t0
+    if status != 0 or not histories:
+        raise SystemExit(f"trainer-rate: the trainer exited with status {status}")
+    history = histories[-1]
+    per_step = dict(history.scalars["tokens_per_second"])  # {step: tokens/s}, the trainer's own values
+    stages = dict(history.scalars["stage"])
+    timed = [s for s in sorted(per_step) if s > skip]
+    if len(timed) != steps or len(starts) != skip + steps:
+        raise SystemExit(f"trainer-rate: expected {skip + steps} logged steps, got {sorted(per_step)}")
+    intervals = [b - a for a, b in zip(starts[skip:], starts[skip + 1:])]
+    return {"tokens_per_s": statistics.median(per_step[s] for s in timed),
+            "loop_tokens_per_s": cfg.data.seq_len * cfg.deepspeed.micro_batch_size_per_gpu
+            / statistics.median(intervals) if intervals else float("nan"),
+            "per_step": per_step, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
+            "wall_seconds": wall}
+
+
+def main(argv: list[str]) -> int:
+    p = base_parser("trainer-rate", __doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help=f"run config (default {CONFIG}; with --smoke {SMOKE_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as `comera pretrain --set` (repeatable; applied to both halves)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU-sized model and data (CI): " + " ".join(SMOKE_SETS))
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed bench steps before the timed ones")
+    p.add_argument("--skip", type=int, default=5, help="first trainer steps left out of its median")
+    p.add_argument("--out", type=Path, default=None, help="trainer run directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    steps = args.steps or (5 if args.smoke else 30)
+    if args.batch_size is not None:
+        p.error("--batch-size: the batch is the config's; use --set deepspeed.micro_batch_size_per_gpu=B")
+    if steps < 2 or args.skip < 1 or args.warmup < 0:
+        p.error(f"need --steps >= 2, --skip >= 1, --warmup >= 0; got {steps}, {args.skip}, {args.warmup}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = args.config or (SMOKE_CONFIG if args.smoke else CONFIG)
+    user_sets = (SMOKE_SETS if args.smoke else []) + args.set
+    _single_rank_env(device)
+
+    from comera_dist.config import load_run_config
+
+    cfg = load_run_config(config, user_sets)
+    bench = bench_rate(cfg, device, steps, args.warmup)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the bench's model and optimizer are gone: the trainer's engine gets the memory
+    with tempfile.TemporaryDirectory(prefix="comera-trainer-rate-") as tmp:
+        out_dir = args.out or Path(tmp) / "run"
+        sets = trainer_sets(args.skip + steps, out_dir) + user_sets
+        command = shlex.join(["comera", "pretrain", "--config", config,
+                              *(a for s in sets for a in ("--set", s)), "--resume", "none"])
+        trainer = trainer_rate(config, sets, args.skip, steps, out_dir)
+    bench_tps = bench["tokens_per_step"] / bench["step_s"]
+    metrics = {"bench_tokens_per_s": bench_tps, "trainer_tokens_per_s": trainer["tokens_per_s"],
+               "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
+               "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"]}
+    rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},
+            {"contender": "trainer (its tokens_per_second)", "tokens_per_s": trainer["tokens_per_s"],
+             "step_s": bench["tokens_per_step"] / trainer["tokens_per_s"]},
+            {"contender": "trainer loop (wall)", "tokens_per_s": trainer["loop_tokens_per_s"],
+             "step_s": bench["tokens_per_step"] / trainer["loop_tokens_per_s"]}]
+    result_config = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "config": config, "overrides": user_sets, "smoke": args.smoke, "target": {"trainer_rate_over_bench": TARGET},
+        "micro_batch": cfg.deepspeed.micro_batch_size_per_gpu, "seq_len": cfg.data.seq_len,
+        "precision": cfg.deepspeed.precision, "zero_stage": cfg.deepspeed.zero_stage, "world_size": 1,
+        "bench_steps": steps, "bench_warmup": args.warmup, "bench_params": bench["params"],
+        "trainer_steps": args.skip + steps, "trainer_skipped_steps": args.skip,
+        "trainer_tokens_per_second_by_step": {str(k): v for k, v in trainer["per_step"].items()},
+        "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
+        "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
+    write_result(args.json, "trainer-rate", metrics, rows, result_config)
+    return 0

@@ -1,0 +1,49 @@
+"""CI smoke of the trainer-rate benchmark on the CPU: the bare CoMERA step and the real 1-rank trainer on a
+tiny model; the JSON's trainer rate is the median of what the trainer's own log lines printed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # one real training process (not a distributed test)
+REPO = Path(__file__).resolve().parents[2]
+CACHE = os.environ.get("COMERA_TEST_CACHE", str(Path(tempfile.gettempdir()) / "comera-dist-test-cache"))
+STEP_LINE = re.compile(r"\[rank 0\] INFO comera_dist\.engine\.trainer: step (\d+)/(\d+) .*tokens_per_second (\S+)")
+
+
+def test_trainer_rate_smoke(tmp_path):
+    out = tmp_path / "trainer-rate.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(COMERA_CACHE=CACHE, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    skip, steps = 2, 3
+    # every step logged, so the trainer's log prints each step's tokens_per_second (4 significant digits)
+    proc = subprocess.run([sys.executable, "-m", "comera_dist.bench", "trainer-rate", "--smoke", "--device", "cpu",
+                           "--steps", str(steps), "--skip", str(skip), "--warmup", "1",
+                           "--set", "train.log_every=1", "--json", str(out)],
+                          check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    m = result["metrics"]
+    for key in ("bench_tokens_per_s", "trainer_tokens_per_s", "trainer_rate_over_bench"):
+        assert math.isfinite(m[key]) and m[key] > 0, (key, m[key])
+    assert m["trainer_rate_over_bench"] == pytest.approx(m["trainer_tokens_per_s"] / m["bench_tokens_per_s"])
+    assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
+    assert result["config"]["device"] == "cpu"
+    assert result["config"]["command"].startswith("comera pretrain --config configs/codebert-tiny-cpu.yaml ")
+
+    logged = {int(s): float(v) for s, total, v in STEP_LINE.findall(proc.stdout + proc.stderr)
+              if int(total) == skip + steps}
+    assert sorted(logged) == list(range(1, skip + steps + 1)), logged
+    from_log = statistics.median(v for s, v in logged.items() if s > skip)
+    assert m["trainer_tokens_per_s"] == pytest.approx(from_log, rel=1e-3)

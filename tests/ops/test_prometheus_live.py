@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import time
 
@@ -29,7 +30,10 @@ from comera_dist.layers import TTLinear
 from comera_dist.metrics import MetricsConfig, build_metrics
 
 pytestmark = [pytest.mark.slow, requires_prometheus]
-STEPS, PHASES, TARGET = 30, 3, 4.0
+STEPS, PHASES = 30, 3
+# A target this healthy run meets: its whole-model ratio is at least the full-rank one (about 1.31;
+# pruning only raises it). The old 4.0 kept ComeraCompressionTargetMissed pending all along.
+TARGET = 1.2
 
 
 def _train(metrics, model, out_dir, on_phase_end) -> dict:
@@ -141,11 +145,21 @@ def test_step_time_histogram_and_checkpoint_age(live):
 
 
 def test_alert_rules_loaded_and_quiet(live):
-    groups = promserver._get(live["port"], "/api/v1/rules", {})["groups"]
+    """No alert holds on a healthy run. The alert states alone only show ``for: 0m`` rules as
+    firing (a ``for: 15m`` condition stays pending for the whole test), so pending counts too,
+    and every rule's expression is evaluated now through the query API and must return nothing,
+    while each metric it reads has a series (an expression over absent metrics is quiet forever)."""
+    groups = promserver._get(live["port"], "/api/v1/rules", {"type": "alert"})["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     assert len(rules) == 5 and all(r["health"] == "ok" for r in rules.values()), rules
-    firing = [a for r in rules.values() for a in r.get("alerts", []) if a["state"] == "firing"]
-    assert firing == []
+    assert all(not r["lastEvaluation"].startswith("0001-") for r in rules.values()), rules  # evaluated at least once
+    active = [(a["labels"]["alertname"], a["state"]) for r in rules.values() for a in r.get("alerts", [])]
+    assert active == [], active
+    for name, rule in rules.items():
+        for metric in sorted(set(re.findall(r"\bcomera_\w+", rule["query"]))):
+            assert promserver.query(live["port"], metric), f"{name}: no series for {metric}"
+        holds = promserver.query(live["port"], rule["query"])
+        assert holds == [], f"{name} holds on the healthy run: {rule['query']} -> {holds}"
 
 
 def test_close_withdraws_target(live):

@@ -12,7 +12,8 @@ import sys
 
 import comera_dist.bench as _pkg
 
-_NOT_BENCHMARKS = {"common", "__main__"}
+_NOT_BENCHMARKS = {"common", "__main__", "graphed", "six_encoder_device"}
+"""Helper modules of the benchmarks (no ``main``)."""
 
 
 def available() -> list[str]:

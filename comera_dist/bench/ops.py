@@ -17,11 +17,14 @@ one waits for the device.
 Two policies are counted per contender:
 
 - ``static`` (the headline metrics): the step as it runs on a GPU or under ``torch.compile``,
-  emulated on the CPU with ``kernels.dispatch.static_shapes()``: no CPU-only host checks, no
-  data-dependent deduplication;
+  emulated on the CPU with ``kernels.dispatch.static_shapes()`` (no CPU-only host checks, no
+  data-dependent deduplication) and one intra-op thread: a multi-threaded CPU process wraps the
+  small core contractions in ``tensor.smallops.on_one_thread`` (a private autograd graph that
+  adds a detach per input and a second backward engine pass), which CUDA tensors and compiled
+  graphs bypass, so it is not part of a GPU step;
 - ``cpu_eager`` (suffix ``_cpu_eager``): the plain CPU eager step, which also runs the CPU-only
   id range checks and the embedding's ``torch.unique`` deduplication (free of device syncs on
-  a CPU, counted anyway).
+  a CPU, counted anyway), with the process's own thread count (the one-thread wrapper too).
 
 CPU targets (issue 11): ``ops_ratio_comera_over_dense <= 2`` and ``syncs_per_step_comera <=
 syncs_per_step_dense``.
@@ -94,9 +97,15 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str
     """Counts for one contender under ``policy`` (``static`` or ``cpu_eager``)."""
     c = make_contender(name, smoke=smoke)
     batch = random_batch(c.model, batch_size, smoke=smoke)
+    threads = torch.get_num_threads()
     ctx = dispatch.static_shapes() if policy == "static" else contextlib.nullcontext()
-    with ctx:
-        counter = count_step(lambda: c.train_step(batch))
+    try:
+        if policy == "static":
+            torch.set_num_threads(1)  # the GPU path: no smallops.on_one_thread wrapper
+        with ctx:
+            counter = count_step(lambda: c.train_step(batch))
+    finally:
+        torch.set_num_threads(threads)
     total = sum(counter.ops.values())
     return {"contender": name, "policy": policy, "ops": total, "kernel_ops": total - counter.views,
             "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
@@ -123,6 +132,7 @@ def main(argv: list[str]) -> int:
     met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
            "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}
     config = {"smoke": args.smoke, "batch_size": batch, "warmup_steps": 2,
+              "threads": {"static": 1, "cpu_eager": torch.get_num_threads()},
               "step": "six_encoder.Contender.train_step: forward + backward + penalty + optimizer step",
               "sync_ops": sorted(SYNC_OPS) + ["aten.repeat_interleave.Tensor without output_size",
                                               "aten.index/index_put with a bool mask"],

@@ -113,16 +113,24 @@ class Contender:
         return float(self.train_step(batch))
 
 
-def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch.device = "cpu") -> Contender:
-    """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture) on ``device``."""
+def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch.device = "cpu",
+                   capturable: bool = False) -> Contender:
+    """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture) on ``device``.
+
+    ``capturable``: the AdamW keeps its step counts on the device, so the whole step can be captured
+    in a CUDA graph (``bench.graphed``); GaLore's optimizer cannot be captured.
+    """
     if name not in CONTENDERS:
         raise ValueError(f"contender must be one of {list(CONTENDERS)}, got {name!r}")
+    if capturable and name == "galore":
+        raise ValueError("the galore contender cannot be captured (its projections are host-side work)")
+    adamw = dict(ADAMW, capturable=True) if capturable else ADAMW
     torch.manual_seed(seed)
     cfg = model_config(smoke=smoke)
     lr = LrConfig()
     if name == "comera":
         model = build_model(cfg, tensorize_config(smoke=smoke)).to(device)
-        opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, **ADAMW)
+        opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, **adamw)
         controller = RankController(ControllerConfig())
         # The controller's host inputs (global loss and size) are read once per step, outside the
         # step, as the engine does; the benchmark stays in the early stage, which does not use them.
@@ -140,7 +148,7 @@ def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch
     model = build_model(cfg, None).to(device)
     extra: dict[str, Any] = {}
     if name == "dense":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr.dense, weight_decay=lr.weight_decay, **ADAMW)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr.dense, weight_decay=lr.weight_decay, **adamw)
     else:
         opt, extra = galore_optimizer(model, smoke=smoke, lr=lr.dense)
     return Contender(name=name, model=model, optimizer=opt, loss=lambda batch: model(**batch)["loss"], extra=extra)
@@ -165,8 +173,8 @@ def galore_optimizer(model: nn.Module, *, smoke: bool, lr: float) -> tuple[torch
     return GaLoreAdamW(groups, lr=lr, weight_decay=0.0), extra
 
 
-def time_steps(c: Contender, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
-    """Median and min wall time of ``steps`` full training steps (after the caller's warm-up).
+def time_steps(step: Callable[[dict[str, Tensor]], Tensor], batch: dict[str, Tensor], steps: int) -> dict[str, float]:
+    """Median and min wall time of ``steps`` calls of ``step(batch)`` (after the caller's warm-up).
 
     On a GPU the device is synchronized before each start and after each step, so a time covers
     the step's kernels, not only their launches; the loss stays on the device (no extra sync).
@@ -177,7 +185,7 @@ def time_steps(c: Contender, batch: dict[str, Tensor], steps: int) -> dict[str, 
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        c.train_step(batch)
+        step(batch)
         sync()
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "min_s": min(times)}
@@ -214,6 +222,8 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device is not None:
+        from comera_dist.bench.six_encoder_device import run_device
+
         return run_device(args, torch.device(args.device), steps, sizes)
     load_start = os.getloadavg()
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
@@ -222,7 +232,7 @@ def main(argv: list[str]) -> int:
         for name, c in contenders.items():
             batch = random_batch(c.model, b, smoke=args.smoke)
             mem = measure_step(c.model, c.optimizer, lambda c=c, batch=batch: c.loss(batch))  # also the warm-up
-            t = time_steps(c, batch, steps)
+            t = time_steps(c.train_step, batch, steps)
             rows.append({"contender": name, "batch": b, "step_s": t["median_s"], "step_min_s": t["min_s"],
                          "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
                          "peak_tensor_MiB": mem.total_bytes / 2**20, "activations_MiB": mem.activations_bytes / 2**20,
@@ -238,72 +248,5 @@ def main(argv: list[str]) -> int:
     config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "target": {"speedup_vs_dense_b32": 5.0}, "profile_batch": b_top, "profile": profiles,
               "threads": torch.get_num_threads(), "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "six-encoder", metrics, rows, config)
-    return 0
-
-
-DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-
-
-def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
-    """Peak memory of one training step: allocator peak on CUDA (parameters, gradients, optimizer
-    state, activations, workspace), the measured tensor memory elsewhere."""
-    if batch["input_ids"].is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        c.train_step(batch)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return measure_step(c.model, c.optimizer, lambda: c.loss(batch)).total_bytes
-
-
-def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
-    """dense, CoMERA and GaLore on ``device``, fp32 and bf16 (autocast), every batch size.
-
-    GaLore runs at the smallest batch only (its comparison is at batch 1, as in the paper).
-    One warm-up step (GaLore's first step also computes its projections), then ``steps``
-    timed steps with a device synchronize around each; memory is the peak of one more step.
-    Metrics: ``speedup_vs_dense_b{B}_{dev}_{fp32|bf16}`` at the largest batch,
-    ``speedup_vs_galore_b{b}_{dev}`` and ``memory_ratio_galore_over_comera_b{b}_{dev}`` (fp32) at
-    the smallest, where ``dev`` is the device type (``cuda`` on a GPU).
-    """
-    load_start = os.getloadavg()
-    b_lo = min(sizes)
-    rows: list[dict[str, Any]] = []
-    for dtype_name, autocast in DEVICE_DTYPES.items():
-        for name in ("dense", "comera", "galore"):
-            c = make_contender(name, smoke=args.smoke, device=device)
-            c.autocast = autocast
-            for b in sizes if name != "galore" else [b_lo]:
-                batch = random_batch(c.model, b, smoke=args.smoke)
-                c.train_step(batch)  # warm-up (GaLore: its first projections)
-                t = time_steps(c, batch, steps)
-                peak = peak_step_bytes(c, batch)
-                rows.append({"contender": name, "dtype": dtype_name, "batch": b, "step_s": t["median_s"],
-                             "step_min_s": t["min_s"], "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
-                             "peak_MiB": peak / 2**20, "params": sum(q.numel() for q in c.model.parameters())})
-            del c
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    by = {(r["contender"], r["dtype"], r["batch"]): r for r in rows}
-    dev = device.type
-    metrics: dict[str, float] = {}
-    for dtype_name in DEVICE_DTYPES:
-        for b in sizes:
-            metrics[f"speedup_vs_dense_b{b}_{dev}_{dtype_name}"] = \
-                by["dense", dtype_name, b]["step_s"] / by["comera", dtype_name, b]["step_s"]
-    metrics[f"speedup_vs_galore_b{b_lo}_{dev}"] = by["galore", "fp32", b_lo]["step_s"] / by["comera", "fp32", b_lo]["step_s"]
-    metrics[f"speedup_vs_galore_b{b_lo}_{dev}_bf16"] = \
-        by["galore", "bf16", b_lo]["step_s"] / by["comera", "bf16", b_lo]["step_s"]
-    metrics[f"memory_ratio_galore_over_comera_b{b_lo}_{dev}"] = \
-        by["galore", "fp32", b_lo]["peak_MiB"] / by["comera", "fp32", b_lo]["peak_MiB"]
-    metrics[f"memory_ratio_dense_over_comera_b{b_lo}_{dev}"] = \
-        by["dense", "fp32", b_lo]["peak_MiB"] / by["comera", "fp32", b_lo]["peak_MiB"]
-    config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
-              "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
-              "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
-              "target": {f"speedup_vs_dense_b32_{dev}_fp32": 2.0, f"speedup_vs_dense_b32_{dev}_bf16": 1.5,
-                         f"speedup_vs_galore_b1_{dev}": 2.0, f"memory_ratio_galore_over_comera_b1_{dev}": 9.0},
-              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

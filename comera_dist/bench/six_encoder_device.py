@@ -1,0 +1,152 @@
+"""``bench six-encoder --device cuda``: dense, CoMERA and GaLore on one device, fp32 and bf16.
+
+Each contender runs in every mode it supports:
+
+- ``eager``: the step as written (``Contender.train_step``);
+- ``graph`` (CUDA only; dense and CoMERA): the whole step captured once in a CUDA graph and
+  replayed (``bench.graphed``), the paper's own GPU optimisation. GaLore's projections are host
+  work and cannot be captured.
+
+The headline metrics compare each contender in its **fastest** mode at that batch and dtype
+(CoMERA graphed against dense graphed, if that is dense's best), so a speedup is never CoMERA's
+best against dense's worst; the eager-only ratios are recorded beside them. Peak memory is the
+allocator's peak of the same mode (for a graph: warm-up, capture and its private memory pool).
+A capture that fails (a host sync inside the step, say) is recorded as that row's ``error``
+and the mode drops out of the metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from comera_dist.bench.common import write_result
+from comera_dist.bench.memory_probe import measure_step
+from comera_dist.bench.six_encoder import (
+    ADAMW,
+    SEQ_LEN,
+    SMOKE_SEQ_LEN,
+    Contender,
+    make_contender,
+    random_batch,
+    time_steps,
+)
+
+DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def modes(name: str, device: torch.device) -> tuple[str, ...]:
+    """The modes ``name`` runs in on ``device``: graphs need CUDA and a capturable optimizer."""
+    return ("eager", "graph") if device.type == "cuda" and name != "galore" else ("eager",)
+
+
+def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
+    """Peak memory of one eager training step: allocator peak on CUDA (parameters, gradients, optimizer
+    state, activations, workspace), the measured tensor memory elsewhere."""
+    if batch["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        c.train_step(batch)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return measure_step(c.model, c.optimizer, lambda: c.loss(batch)).total_bytes
+
+
+def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
+    """Median/min step time of ``steps`` timed steps after the warm-up, and the peak bytes, in ``mode``."""
+    if mode == "eager":
+        c.train_step(batch)  # warm-up (GaLore: its first projections)
+        t = time_steps(c.train_step, batch, steps)
+        return {**t, "peak_bytes": peak_step_bytes(c, batch)}
+    from comera_dist.bench.graphed import GraphedStep
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    graphed = GraphedStep(c.loss, c.optimizer, batch, autocast=c.autocast)  # warm-up steps + capture
+    graphed.step(batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    t = time_steps(graphed.step, batch, steps)
+    loss = float(graphed.step(batch))
+    if not torch.isfinite(torch.tensor(loss)):
+        raise RuntimeError(f"graph replay gave a non-finite loss ({loss})")
+    del graphed
+    return {**t, "peak_bytes": peak}
+
+
+def _best(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """(contender, dtype, batch) -> the row of its fastest mode that ran without error."""
+    best: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["contender"], r["dtype"], r["batch"])
+        if "error" not in r and (key not in best or r["step_s"] < best[key]["step_s"]):
+            best[key] = r
+    return best
+
+
+def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[str, float]:
+    """Speedups and memory ratios, best mode against best mode (and eager against eager)."""
+    best = _best(rows)
+    eager = {(r["contender"], r["dtype"], r["batch"]): r for r in rows if r["mode"] == "eager" and "error" not in r}
+    b_lo = min(sizes)
+    out: dict[str, float] = {}
+    for dtype in DEVICE_DTYPES:
+        for b in sizes:
+            if ("dense", dtype, b) in best and ("comera", dtype, b) in best:
+                out[f"speedup_vs_dense_b{b}_{dev}_{dtype}"] = \
+                    best["dense", dtype, b]["step_s"] / best["comera", dtype, b]["step_s"]
+            if ("dense", dtype, b) in eager and ("comera", dtype, b) in eager:
+                out[f"speedup_vs_dense_eager_b{b}_{dev}_{dtype}"] = \
+                    eager["dense", dtype, b]["step_s"] / eager["comera", dtype, b]["step_s"]
+        if ("galore", dtype, b_lo) in best and ("comera", dtype, b_lo) in best:
+            suffix = "" if dtype == "fp32" else f"_{dtype}"
+            out[f"speedup_vs_galore_b{b_lo}_{dev}{suffix}"] = \
+                best["galore", dtype, b_lo]["step_s"] / best["comera", dtype, b_lo]["step_s"]
+    for peer in ("galore", "dense"):
+        if (peer, "fp32", b_lo) in best and ("comera", "fp32", b_lo) in best:
+            out[f"memory_ratio_{peer}_over_comera_b{b_lo}_{dev}"] = \
+                best[peer, "fp32", b_lo]["peak_MiB"] / best["comera", "fp32", b_lo]["peak_MiB"]
+    return out
+
+
+def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
+    """Every contender, mode, dtype and batch size on ``device`` (GaLore at the smallest batch only,
+    where the paper compares it); one JSON result with the rows and ``metrics_of`` them."""
+    load_start = os.getloadavg()
+    b_lo = min(sizes)
+    rows: list[dict[str, Any]] = []
+    for dtype_name, autocast in DEVICE_DTYPES.items():
+        for name in ("dense", "comera", "galore"):
+            for mode in modes(name, device):
+                c = make_contender(name, smoke=args.smoke, device=device, capturable=mode == "graph")
+                c.autocast = autocast
+                for b in sizes if name != "galore" else [b_lo]:
+                    batch = random_batch(c.model, b, smoke=args.smoke)
+                    row: dict[str, Any] = {"contender": name, "mode": mode, "dtype": dtype_name, "batch": b,
+                                           "params": sum(q.numel() for q in c.model.parameters())}
+                    try:
+                        m = measure(c, mode, batch, steps)
+                    except RuntimeError as e:  # a failed capture is a result: recorded, not fatal
+                        row["error"] = f"{type(e).__name__}: {e}"[:400]
+                        print(f"six-encoder: {name} {mode} {dtype_name} b{b} failed: {row['error']}", flush=True)
+                    else:
+                        row.update(step_s=m["median_s"], step_min_s=m["min_s"],
+                                   tokens_per_s=b * batch["input_ids"].shape[1] / m["median_s"],
+                                   peak_MiB=m["peak_bytes"] / 2**20)
+                    rows.append(row)
+                del c
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    dev = device.type
+    config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
+              "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
+              "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
+              "modes": "eager; graph = whole step in one CUDA graph (bench/graphed.py); metrics: best mode each",
+              "target": {f"speedup_vs_dense_b32_{dev}_fp32": 2.0, f"speedup_vs_dense_b32_{dev}_bf16": 1.5,
+                         f"speedup_vs_galore_b1_{dev}": 2.0, f"memory_ratio_galore_over_comera_b1_{dev}": 9.0},
+              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+    write_result(args.json, "six-encoder", metrics_of(rows, sizes, dev), rows, config)
+    return 0

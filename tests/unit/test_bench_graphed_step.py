@@ -1,0 +1,65 @@
+"""The whole-step CUDA graph (bench/graphed.py) against the eager step, and the device metrics' rule.
+
+The graph tests need a CUDA GPU (``launch/gpu_check.sh`` runs them); the guards and the metrics
+rule (best mode against best mode, failed captures left out) run everywhere.
+"""
+
+import pytest
+import torch
+
+from comera_dist.bench import six_encoder
+from comera_dist.bench.graphed import GraphedStep
+from comera_dist.bench.six_encoder_device import metrics_of
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph capture)")
+
+def _no_dropout(c: six_encoder.Contender) -> six_encoder.Contender:
+    for m in c.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # the eager and the replayed step must see the same (no) masks
+    return c
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["comera", "dense"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_replay_matches_the_eager_step(name, autocast):
+    eager = _no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
+    graphed = _no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
+    eager.autocast = graphed.autocast = autocast
+    batches = [six_encoder.random_batch(eager.model, 4, smoke=True, seed=s) for s in range(6)]
+    # GraphedStep's warm-up runs 3 eager steps on its first batch: the eager twin does the same
+    for _ in range(3):
+        eager.train_step(batches[0])
+    step = GraphedStep(graphed.loss, graphed.optimizer, batches[0], autocast=autocast)
+    for b in batches[1:]:  # new data each replay: the static buffers must be refilled
+        want, got = eager.train_step(b), step.step(b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+def test_capture_needs_cuda_and_a_capturable_optimizer():
+    c = six_encoder.make_contender("comera", smoke=True)
+    batch = six_encoder.random_batch(c.model, 2, smoke=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        GraphedStep(c.loss, c.optimizer, batch)
+    with pytest.raises(ValueError, match="galore"):
+        six_encoder.make_contender("galore", smoke=True, capturable=True)
+
+def _row(contender, mode, step_s, peak, *, dtype="fp32", batch=1, error=None):
+    r = {"contender": contender, "mode": mode, "dtype": dtype, "batch": batch, "step_s": step_s, "peak_MiB": peak}
+    return {**r, "error": error} if error else r
+
+def test_metrics_compare_best_mode_against_best_mode():
+    rows = [_row("dense", "eager", 10.0, 1000), _row("dense", "graph", 8.0, 1100),
+            _row("comera", "eager", 20.0, 100), _row("comera", "graph", 4.0, 120),
+            _row("galore", "eager", 12.0, 900),
+            # a failed capture never counts, however fast its (absent) time
+            _row("dense", "graph", 0.001, 1, dtype="bf16", error="RuntimeError: capture failed"),
+            _row("dense", "eager", 6.0, 900, dtype="bf16"), _row("comera", "eager", 3.0, 90, dtype="bf16")]
+    m = metrics_of(rows, [1], "cuda")
+    assert m["speedup_vs_dense_b1_cuda_fp32"] == pytest.approx(8.0 / 4.0)  # not 10/4: dense's best is its graph
+    assert m["speedup_vs_dense_eager_b1_cuda_fp32"] == pytest.approx(10.0 / 20.0)
+    assert m["speedup_vs_galore_b1_cuda"] == pytest.approx(12.0 / 4.0)
+    assert m["memory_ratio_galore_over_comera_b1_cuda"] == pytest.approx(900 / 120)  # the timed mode's memory
+    assert m["speedup_vs_dense_b1_cuda_bf16"] == pytest.approx(6.0 / 3.0)

@@ -186,25 +186,3 @@ def test_killed_rank_ends_job_within_60s(launcher, jobs, tmp_path, port):
     leftovers = [p for p in ranks.values() if _alive(p)]
     assert not leftovers, f"ranks left running: {leftovers}"
     print(f"{launcher}: exit {rc} {elapsed:.1f} s after SIGKILL of rank 1")
-
-
-@pytest.mark.parametrize("script", ["pretrain_local.sh", "torchrun.sh", "mpirun.sh"])
-def test_launch_script_is_strict_and_has_usage(script):
-    text = (REPO / "launch" / script).read_text()
-    assert "set -euo pipefail" in text and "# usage: launch/" + script in text
-    assert subprocess.run(["bash", "-n", str(REPO / "launch" / script)], check=False).returncode == 0
-
-
-def test_launch_scripts_dry_run_print_the_command():
-    env = job_env(29555, NPROC="3", NP="3", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.7")
-    run = lambda *a: subprocess.run([*a], cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    p = run("launch/torchrun.sh", "--dry-run", "--config", TINY)
-    assert p.returncode == 0
-    assert p.stdout.split() == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3",
-                                "--master-addr", "10.0.0.7", "--master-port", "29555", "--max-restarts", "0",
-                                "launch/train.py", "--config", TINY]
-    p = run("launch/mpirun.sh", "--dry-run", "--config", TINY)
-    assert p.returncode == 0 and " -np 3 " in p.stdout and "--allow-run-as-root --oversubscribe" in p.stdout
-    for script in ("launch/torchrun.sh", "launch/mpirun.sh"):
-        p = run(script)  # no trainer arguments: the usage, exit 2
-        assert p.returncode == 2 and "usage:" in p.stderr

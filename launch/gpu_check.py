@@ -119,6 +119,10 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
     return 1 if problems else 0
 
 
+HEADLINE_FILES = ("kernels", "six-encoder", "trainer-rate")
+"""The benchmark JSONs whose metrics the summary prints (what the GPU figures in docs/ come from)."""
+
+
 def summary(outdir: str) -> int:
     """``results.tsv`` (name, rc, seconds, log) -> ``summary.json`` and a table; 1 if any step failed."""
     out = Path(outdir)
@@ -129,11 +133,16 @@ def summary(outdir: str) -> int:
                      "status": "pass" if rc == "0" else ("timeout" if rc in ("124", "137") else "FAIL")})
     env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
     ok = all(r["rc"] == 0 for r in rows)
-    result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows)}
+    figures = {name: json.loads((out / f"{name}.json").read_text()).get("metrics", {})
+               for name in HEADLINE_FILES if (out / f"{name}.json").exists()}
+    result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows),
+              "metrics": figures}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
         print(f"  {r['status']:8s} {r['seconds']:7.1f} s  {r['step']:24s} {r['log']}")
+    for name, metrics in figures.items():  # the measured figures, e.g. trainer and bench step rates side by side
+        print(f"  {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

@@ -8,10 +8,12 @@
 #      COMERA_CHECK_WORK (runs + data cache; default /tmp/comera-check-$$), COMERA_CHECK_BUDGET_S (whole check,
 #      default 470 on GPU, 600 on CPU), COMERA_CHECK_NPROC (trainer processes, default: every visible GPU, 1 on CPU),
 #      COMERA_CHECK_ONLY (space-separated step names to run, e.g. "env pretrain-z3"; default all)
-# Steps: env (installs missing wheels with pip --no-index --target), native kernel tests (TRITON_INTERPRET=0),
+# Steps: env (installs missing wheels with pip --no-index --target), native GPU tests (TRITON_INTERPRET=0: the
+# Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
-# six-encoder. Each step is bounded by `timeout` and by what is left of the budget; a failed step does
+# six-encoder (eager and CUDA-graph modes); bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml,
+# 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch). Each step is bounded by `timeout` and by what is left of the budget; a failed step does
 # not stop the others. Exit 0 only if every step passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,9 +44,10 @@ if [ "$MODE" = gpu ]; then
   # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
   SIZE=(--set data.max_files=60 --set deepspeed.micro_batch_size_per_gpu=16)
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
-  KERNEL_TESTS=(-m pytest -q -p no:cacheprovider -m gpu tests/kernels)
+  KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
+  TRAINER_RATE=(-m comera_dist.bench trainer-rate --config configs/six-encoder-mlm.yaml --set data.max_files=300 --steps 30 --skip 5)
   T_KTEST=150 T_RUN=90 T_BENCH=120
 else
   export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -59,6 +62,7 @@ else
   KERNEL_TESTS=(-m pytest -q -p no:cacheprovider tests/kernels/test_dispatch.py -k "not without_the_interpreter")
   BENCH_KERNELS=(-m comera_dist.bench kernels --allow-cpu --tokens 32 --steps 1)
   BENCH_SIX=(-m comera_dist.bench six-encoder --smoke --batch-sizes 1 --steps 1)
+  TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)
   T_KTEST=120 T_RUN=120 T_BENCH=90
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" >&2; exit 2; }
@@ -74,7 +78,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder trainer-rate"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -148,4 +152,5 @@ for stage in 1 2 3; do
 done
 run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"
 run_step bench-six-encoder "$T_BENCH" "$PYTHON" "${BENCH_SIX[@]}" --json "$OUT/six-encoder.json"
+run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"
 "$PYTHON" launch/gpu_check.py summary "$OUT"

@@ -2,8 +2,8 @@
 
 The same steps as on a GPU (wheel install check, kernel tests, bf16 pretraining at ZeRO 1/2/3 with
 the late stage, a physical prune and a mid-run checkpoint, a resumed run that must reproduce the
-first run's losses step for step, both benchmarks), so CI keeps the script itself working for the
-sessions that are lent a GPU.
+first run's losses step for step, the benchmarks and the trainer-rate comparison), so CI keeps the
+script itself working for the sessions that are lent a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert p.returncode == 0 and summary.get("ok"), (p.stdout[-3000:], p.stderr[-3000:],
                                                        {k: v for k, v in logs.items() if any(f in k for f in failed)})
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
-                                                     "pretrain-z3", "bench-kernels", "bench-six-encoder"]
+                                                     "pretrain-z3", "bench-kernels", "bench-six-encoder", "trainer-rate"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
@@ -40,4 +40,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert "physical prune, engine rebuilt" in a and "stage 1" in a  # the late stage ran
     assert json.loads((out / "kernels.json").read_text())["benchmark"] == "kernels"
     assert json.loads((out / "six-encoder.json").read_text())["benchmark"] == "six-encoder"
+    rate = json.loads((out / "trainer-rate.json").read_text())["metrics"]
+    # the summary reports the trainer's and the bench's step rates side by side
+    assert summary["metrics"]["trainer-rate"] == rate and rate["trainer_tokens_per_s"] > 0
+    assert f"trainer_rate_over_bench {rate['trainer_rate_over_bench']:.4g}" in p.stdout
     assert summary["env"]["mode"] == "cpu-smoke"

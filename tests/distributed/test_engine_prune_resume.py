@@ -35,11 +35,12 @@ def _kill_two_ranks(session) -> None:
     safe_set_full_fp32_param(gate, value)
 
 
-def _session(outdir: str, stage: int, **kw):
+def _session(outdir: str, stage: int, *, late_stage_step: int = 3, dropout: float = 0.0, **kw):
     from comera_dist.engine.session import TrainSession
 
     kw.setdefault("scheduler", {"kind": "warmup_cosine", "warmup_steps": 2})
-    cfg = tiny_config(outdir, zero_stage=stage, steps=4, prune_every=2, late_stage_step=3, **kw)
+    cfg = tiny_config(outdir, zero_stage=stage, steps=4, prune_every=2, late_stage_step=late_stage_step,
+                      dropout=dropout, **kw)
     return TrainSession.create(cfg, factory(cfg), world_size=2)
 
 
@@ -188,14 +189,46 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
 STEPS, SAVE_AT = 4, 2
 
 
-def _train(s, rank: int, steps: range) -> list[float]:
-    losses = []
+def _resume_session(outdir: str, stage: int):
+    """The resume runs: dropout on and the late stage from step 2, so the checkpoint at step 2 holds a
+    late-stage controller and an RNG stream that the next steps' dropout masks depend on."""
+    return _session(outdir, stage, late_stage_step=SAVE_AT, dropout=0.1)
+
+
+def _train(s, rank: int, steps: range) -> list[tuple]:
+    """(task loss, objective, lambda, stage, skipped) per step. Step 1 is NaN on rank 0 (both ranks skip
+    it and count it); two ranks are killed after it and pruned away at step 2."""
+    armed = {"on": False}
+    if steps.start == 1:
+        _poison(s.module, rank, armed)  # the module is replaced by the step-2 prune, hook and all
+    rows = []
     for step in steps:
-        losses.append(s.train_step([batch(step, rank)]).task_loss)
+        armed["on"] = step == 1
+        o = s.train_step([batch(step, rank)])
+        rows.append((o.task_loss, o.loss, o.lam, o.stage, o.skipped_nonfinite))
         if step == 1:
             _kill_two_ranks(s)
         s.maybe_prune(step)
-    return losses
+    return rows
+
+
+def _rng_digest() -> dict[str, str]:
+    """This process's torch, python and numpy RNG positions, one digest each (read, not drawn from)."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    np_state = np.random.get_state()
+    raw = {"torch": torch.get_rng_state().numpy().tobytes(), "python": repr(random.getstate()).encode(),
+           "numpy": np_state[1].tobytes() + repr(np_state[2:]).encode()}
+    return {k: hashlib.sha256(v).hexdigest()[:16] for k, v in raw.items()}
+
+
+def _state(s) -> dict:
+    """What a resume must bring back besides the weights: controller, counters, RNG streams."""
+    return {"controller": s.controller.state_dict(), "nonfinite_total": s.nonfinite_total,
+            "steps_done": s.steps_done, "rng": _rng_digest()}
 
 
 def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
@@ -203,12 +236,14 @@ def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
 
     init_distributed(60)
     for stage in (1, 3):
-        s = _session(f"{outdir}/straight{stage}", stage)
-        losses = _train(s, rank, range(1, STEPS + 1))
-        torch.save(losses, Path(outdir) / f"straight{stage}-{rank}.pt")
+        s = _resume_session(f"{outdir}/straight{stage}", stage)
+        rows = _train(s, rank, range(1, SAVE_AT + 1))
+        at_save = _state(s)
+        rows += _train(s, rank, range(SAVE_AT + 1, STEPS + 1))
+        torch.save({"rows": rows, "at_save": at_save, "final": _state(s)}, Path(outdir) / f"straight{stage}-{rank}.pt")
         s.engine.destroy()
     for stage in (1, 3):
-        s = _session(f"{outdir}/killed{stage}", stage)
+        s = _resume_session(f"{outdir}/killed{stage}", stage)
         _train(s, rank, range(1, SAVE_AT + 1))
         s.save(SAVE_AT, {"data_position": SAVE_AT * 10 + rank})
         _train(s, rank, range(SAVE_AT + 1, SAVE_AT + 2))  # progress after the save is lost by the kill
@@ -225,17 +260,19 @@ def _resumed(rank: int, world_size: int, outdir: str) -> dict:
     init_distributed(60)
     out = {}
     for stage in (1, 3):
-        s = _session(f"{outdir}/killed{stage}", stage)
+        s = _resume_session(f"{outdir}/killed{stage}", stage)
         client = s.resume("auto")
-        out[stage] = {"client": client, "dims": s.bond_dims(),
-                      "losses": _train(s, rank, range(client["step"] + 1, STEPS + 1))}
+        at_resume = _state(s)
+        out[stage] = {"client": client, "dims": s.bond_dims(), "at_resume": at_resume,
+                      "rows": _train(s, rank, range(client["step"] + 1, STEPS + 1)), "final": _state(s)}
         s.engine.destroy()
     return out
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    """2N straight == N, kill, resume auto, N more (bitwise, ZeRO 1 and 3, pruned model); a save
-    killed before publication never moves ``latest`` and ``resume auto`` takes the last complete one."""
+    """2N straight == N, kill, resume auto, N more (bitwise, ZeRO 1 and 3, pruned model, dropout on, a
+    late-stage controller, a counted non-finite step); a save killed before publication never moves
+    ``latest`` and ``resume auto`` takes the last complete one."""
     runs = tmp_path / "runs"
     runs.mkdir()
     run_ranks(_straight_then_killed, tmp_path / "work1", str(runs), expect_exit={0: -signal.SIGKILL, 1: None})
@@ -245,12 +282,28 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     assert any(partial.iterdir()) and not (partial / "COMPLETE").exists()
     assert not (root / "step00000003").exists()
     resumed = run_ranks(_resumed, tmp_path / "work2", str(runs))
+    differ = []
     for stage in (1, 3):
         ckpt = runs / f"killed{stage}" / "checkpoints" / "step00000002"
         assert (ckpt / "COMPLETE").is_file() and (ckpt / "config.yaml").is_file()
         for rank in (0, 1):
             r = resumed[rank][stage]
             straight = torch.load(runs / f"straight{stage}-{rank}.pt")
+            # The case exercises what a resume restores: the save is in the late stage with lambda decided,
+            # after one skipped step; a fresh session would differ in each of these.
+            saved = straight["at_save"]
+            assert saved["controller"]["stage"] == "late" and saved["controller"]["lam"] in (0, 1)
+            assert saved["controller"]["switch_step"] == SAVE_AT and saved["nonfinite_total"] == 1
+            assert straight["rows"][0][4] and not any(row[4] for row in straight["rows"][1:])
             assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT}
             assert r["dims"][LAYER] == [4, 2, 4]  # rebuilt at the pruned shapes before loading
-            assert r["losses"] == straight[SAVE_AT:], (stage, rank, r["losses"], straight)
+            # Restored as saved, then the same dropout masks, objectives, lambdas and stages (bitwise).
+            # Every difference is listed, not only the first: a lost RNG restore shows in the rows too.
+            differ += [f"z{stage} rank {rank} at resume: {key} {r['at_resume'][key]} != {saved[key]}"
+                       for key in saved if r["at_resume"][key] != saved[key]]
+            if r["rows"] != straight["rows"][SAVE_AT:]:
+                differ.append(f"z{stage} rank {rank} steps {SAVE_AT + 1}-{STEPS}: {r['rows']} != "
+                              f"{straight['rows'][SAVE_AT:]}")
+            differ += [f"z{stage} rank {rank} at the end: {key}" for key in saved
+                       if r["final"][key] != straight["final"][key]]
+    assert not differ, "\n".join(differ)

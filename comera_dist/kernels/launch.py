@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -19,6 +20,23 @@ def _probe():
 # ``triton.jit`` reads TRITON_INTERPRET when a kernel is decorated, so ask a decorated kernel
 # rather than the environment (which may have changed since).
 INTERPRET: bool = isinstance(_probe, InterpretedFunction)
+
+
+def native_problem() -> str | None:
+    """Why a Triton launch in this process would not be a compiled kernel on a GPU; None when it would.
+
+    ``check_same_device`` lets CUDA tensors through under the interpreter (it copies them to the
+    host and back), so a kernel test on CUDA tensors can pass without compiling anything; the
+    ``gpu`` tests call this first (tests/conftest.py).
+    """
+    if INTERPRET:
+        return "the kernels were decorated under TRITON_INTERPRET=1, so every launch runs in the Triton interpreter"
+    if triton.knobs.runtime.interpret:  # Triton's own reading of the variable ("1", "true", "on")
+        return (f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} is set, so kernels decorated from now on "
+                "would run in the Triton interpreter")
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible, and compiled Triton kernels need one"
+    return None
 
 
 @triton.jit

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor
+from triton.runtime.autotuner import Autotuner
 
 from comera_dist.kernels.launch import INTERPRET
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (native Triton)")
+# pytest-timeout is a dev dependency, but a bare `timeout` mark without it fails --strict-markers.
+_HAS_TIMEOUT = importlib.util.find_spec("pytest_timeout") is not None
+
+
+def gpu_test(timeout_s: float) -> Callable:
+    """A native-GPU kernel test: marked ``gpu``, skipped without CUDA, refused under the interpreter
+    (the guard in tests/conftest.py), and stopped after ``timeout_s`` where pytest-timeout is installed.
+
+    Budget: launch/gpu_check.sh gives all the ``gpu`` tests about 150 s, and each new Triton
+    specialization compiles every autotuning config it meets. On one H200 the earlier shape sweep
+    (fp32 autotuned at four TT-linear shapes, ~27 s each) took 117 s for 11 tests and ran past that
+    budget on a cold machine; pinning configs (``pin_config``) and reusing specializations, the 19
+    tests now take 28 s from a cold Triton cache (the slowest 6.5 s), hence 30 s a test.
+    """
+    marks = [pytest.mark.gpu, needs_cuda] + ([pytest.mark.timeout(timeout_s)] if _HAS_TIMEOUT else [])
+
+    def mark(fn: Callable) -> Callable:
+        for m in reversed(marks):
+            fn = m(fn)
+        return fn
+    return mark
+
+
+def pin_config(monkeypatch: pytest.MonkeyPatch, module, index: int) -> None:
+    """Every autotuned kernel of ``module`` runs only its ``index``-th config (no tuning, one compile)."""
+    for name in dir(module):
+        kernel = getattr(module, name)
+        if isinstance(kernel, Autotuner):
+            monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
 # Where the kernel-vs-reference tests put their tensors: CPU under the interpreter (CI), else the GPU
 # (``TRITON_INTERPRET=0 pytest tests/kernels`` on a CUDA machine runs the same tests natively).
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

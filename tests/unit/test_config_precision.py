@@ -1,0 +1,34 @@
+"""``deepspeed.precision``: fp32 and bf16 only; fp16 is refused naming the key (see the field's docstring).
+
+fp16 was offered but never tested: DeepSpeed's CPU accelerator refuses it here ("Type fp16 is not
+supported on your device"), and its ``DynamicLossScaler`` would fail the ``weights_only`` resume gate.
+The 2-rank bf16 checkpoints are tested in tests/distributed/test_checkpoint_precision.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from comera_dist.config import build_run_config
+from comera_dist.configbase import ConfigError
+from comera_dist.engine.config import DeepSpeedSection, to_deepspeed_dict
+
+RUN = {"model": {"arch": "bert_mlm", "vocab_size": 64, "hidden_size": 16, "num_layers": 1, "num_heads": 2,
+                 "intermediate_size": 32, "max_positions": 16},
+       "comera": {"tensorize": {"num_cores": 4, "embedding_num_cores": 2, "max_rank": 4}},
+       "data": {"seq_len": 16}}
+
+
+def test_fp16_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^deepspeed\.precision: 'fp16' is not one of \['fp32', 'bf16'\]$"):
+        build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": "fp16"}})
+    with pytest.raises(ValueError, match=r"^deepspeed\.precision must be 'fp32' or 'bf16', got 'fp16' "
+                                         r"\(fp16 is not supported: use bf16\)$"):
+        DeepSpeedSection(micro_batch_size_per_gpu=2, precision="fp16")
+
+
+@pytest.mark.parametrize("precision,expected", [("fp32", None), ("bf16", {"enabled": True})])
+def test_deepspeed_json_has_no_fp16_section(precision, expected):
+    cfg = build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": precision}})
+    ds = to_deepspeed_dict(cfg.deepspeed, 2, total_steps=4, group_lrs=[1e-3])
+    assert ds.get("bf16") == expected and "fp16" not in ds

@@ -10,13 +10,16 @@ Each contender runs in every mode it supports:
 The headline metrics compare each contender in its **fastest** mode at that batch and dtype
 (CoMERA graphed against dense graphed, if that is dense's best), so a speedup is never CoMERA's
 best against dense's worst; the eager-only ratios are recorded beside them. Peak memory is the
-allocator's peak of the same mode (for a graph: warm-up, capture and its private memory pool).
+allocator's peak of the same mode (for a graph: warm-up, capture and its private memory pool),
+less what was allocated before the contender was built (on the first H200 run with graphs, memory
+that earlier contenders left behind inflated the later contenders' peaks by 200-400 MiB).
 A capture that fails (a host sync inside the step, say) is recorded as that row's ``error``
 and the mode drops out of the metrics.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -56,7 +59,8 @@ def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
 
 
 def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
-    """Median/min step time of ``steps`` timed steps after the warm-up, and the peak bytes, in ``mode``."""
+    """Median/min step time of ``steps`` timed steps after the warm-up, and the peak bytes, in ``mode``
+    (the allocator's peak: the caller subtracts what was allocated before the contender was built)."""
     if mode == "eager":
         c.train_step(batch)  # warm-up (GaLore: its first projections)
         t = time_steps(c.train_step, batch, steps)
@@ -75,6 +79,12 @@ def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> di
         raise RuntimeError(f"graph replay gave a non-finite loss ({loss})")
     del graphed
     return {**t, "peak_bytes": peak}
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the CUDA caching allocator holds in live tensors now (0 off CUDA: the CPU peak is
+    measured per step by ``memory_probe`` and needs no baseline)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _best(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -121,6 +131,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     for dtype_name, autocast in DEVICE_DTYPES.items():
         for name in ("dense", "comera", "galore"):
             for mode in modes(name, device):
+                base = _allocated(device)  # what earlier contenders left: not this one's memory
                 c = make_contender(name, smoke=args.smoke, device=device, capturable=mode == "graph")
                 c.autocast = autocast
                 for b in sizes if name != "galore" else [b_lo]:
@@ -135,9 +146,10 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
                     else:
                         row.update(step_s=m["median_s"], step_min_s=m["min_s"],
                                    tokens_per_s=b * batch["input_ids"].shape[1] / m["median_s"],
-                                   peak_MiB=m["peak_bytes"] / 2**20)
+                                   peak_MiB=(m["peak_bytes"] - base) / 2**20)
                     rows.append(row)
                 del c
+                gc.collect()  # module reference cycles would keep the last contender's tensors
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     dev = device.type

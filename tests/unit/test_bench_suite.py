@@ -173,3 +173,17 @@ def test_summary_judges_a_run_by_its_own_recorded_target(tmp_path: Path):
     text = page.read_text()
     assert "| `compression_ratio` | whole-model compression at the end of training | >= 8 | 6 | MISSED" in text
     assert "| `epoch_speedup_vs_dense` |" in text and ">= 3 | 3.5 | met" in text
+
+
+def test_summary_judges_a_device_run_by_its_own_targets_only(tmp_path: Path):
+    """A GPU six-encoder run is judged by the targets it recorded, not by the CPU run's (absent) metric."""
+    result = {"benchmark": "six-encoder", "machine": {"gpu": "NVIDIA H200"}, "rows": [],
+              "config": {"target": {"speedup_vs_dense_b32_cuda_fp32": 2.0, "speedup_vs_dense_b32_cuda_bf16": 1.5}},
+              "metrics": {"speedup_vs_dense_b32_cuda_fp32": 2.5, "speedup_vs_dense_b32_cuda_bf16": 0.8}}
+    (tmp_path / "six-encoder-cuda.json").write_text(json.dumps(result))
+    page = tmp_path / "out.md"
+    summary.render(tmp_path, page)
+    text = page.read_text()
+    assert "`speedup_vs_dense_b32` |" not in text  # the CPU target does not apply to this run
+    assert "| `speedup_vs_dense_b32_cuda_fp32` | target recorded by the run | >= 2 | 2.5 | met |" in text
+    assert "| `speedup_vs_dense_b32_cuda_bf16` | target recorded by the run | >= 1.5 | 0.8 | MISSED" in text

@@ -47,6 +47,17 @@ def test_switch_by_loss_criterion():
     assert ctl.stage == "late" and ctl.state.switch_step == 1
 
 
+@pytest.mark.parametrize(("losses", "switch_at"), [
+    ([3.0, 2.0, 1.4, 1.0], 2),  # the loss criterion comes first: it is not ignored when a step is set
+    ([3.0, 2.0, 1.8, 1.6], 3),  # the loss never gets there: the step criterion alone switches
+])
+def test_both_criteria_switch_at_whichever_comes_first(losses, switch_at):
+    ctl = RankController(ControllerConfig(late_stage_step=3, late_stage_loss=1.5, target_ratio=0.5))
+    switched = [ctl.advance(step, global_loss=loss, global_size=1000 - step) for step, loss in enumerate(losses)]
+    assert switched == [step == switch_at for step in range(len(losses))]
+    assert (ctl.state.switch_step, ctl.state.size_at_switch) == (switch_at, 1000 - switch_at)
+
+
 def test_no_schedule_never_switches():
     ctl = RankController(ControllerConfig())
     assert not any(ctl.advance(s, global_loss=0.01, global_size=10) for s in range(100))
@@ -72,6 +83,20 @@ def test_lambda_rule_and_late_objective(loss, size, lam):
     assert ctl.lam == lam
     assert out.item() == pytest.approx(0.1 * 2.0 + 0.01 * 0.8 + lam * 0.8 + (1 - lam) * 2.0)
     assert (L.grad.item(), R.grad.item()) == pytest.approx((0.1 + 1 - lam, 0.01 + lam))
+
+
+@pytest.mark.parametrize("lam_loss,lam", [(4.0, 0), (1.1, 1)])
+def test_late_objective_uses_the_configured_weights(lam_loss, lam):
+    """Non-default always-on weights (the defaults 0.1 / 0.01 must not be constants in the code)."""
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_loss=1.0, late_task_weight=0.3,
+                                          late_rank_weight=0.07))
+    ctl.advance(0, global_loss=4.0, global_size=1000)
+    L, R = _losses()
+    out = ctl.objective(L, R, global_loss=lam_loss, global_size=1000)
+    out.backward()
+    assert ctl.lam == lam
+    assert out.item() == pytest.approx(0.3 * 2.0 + 0.07 * 0.8 + lam * 0.8 + (1 - lam) * 2.0)
+    assert (L.grad.item(), R.grad.item()) == pytest.approx((0.3 + 1 - lam, 0.07 + lam))
 
 
 def test_lambda_uses_global_values_not_the_local_loss():

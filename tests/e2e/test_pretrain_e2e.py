@@ -1,13 +1,16 @@
 """End to end through the installed CLI, as a user runs it (real subprocesses, one rank each):
 
 pretrain on tiny-cpu writes complete checkpoints, the resolved config and a report with PNGs;
-``evaluate`` scores the checkpoint on a local corpus; ``export`` round-trips (dense HF model and
-compact TT form give the checkpoint's logits; the consolidated file holds its weights); bad
-data input is one stderr line, exit 2, and nothing written.
+``evaluate`` scores the checkpoint on a local corpus (the loss and accuracy a by-hand torch pass
+gives); ``export`` round-trips (dense HF model and compact TT form give the checkpoint's logits;
+the consolidated file holds its weights); bad data input is one stderr line, exit 2, and nothing
+written. "The checkpoint's" weights are read from DeepSpeed's model-states file with ``torch.load``,
+not through ``load_run``: evaluate and export share that path, so it cannot be their reference.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from comera_dist import cli
 
@@ -59,6 +63,18 @@ def corpus(tmp_path_factory) -> Path:
     return d
 
 
+def _engine_weights(run_dir: Path) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """The latest checkpoint's weights as the training engine held them (ZeRO 1, one rank: the whole
+    module in ``mp_rank_00_model_states.pt``), and a copy of the rebuilt model holding exactly them."""
+    from comera_dist.engine.evaluate import load_run
+
+    run = load_run(run_dir)  # only for the architecture at the pruned shapes: every tensor is replaced
+    weights = torch.load(run.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    model = copy.deepcopy(run.model)
+    model.load_state_dict(weights, strict=True)
+    return weights, model.eval()
+
+
 def test_pretrain_writes_checkpoints_config_and_report(run_dir):
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step00000006"
@@ -90,6 +106,11 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
     assert result["checkpoint"].endswith("step00000006")
     assert result["masked_tokens"] > 0 and result["batches"] > 0
     assert 0.0 < result["loss"] < 20.0 and 0.0 <= result["accuracy"] <= 1.0
+    hand = _hand_evaluate(run_dir, corpus, batch_size=4)
+    assert (result["batches"], result["masked_tokens"]) == (hand["batches"], hand["masked_tokens"])
+    assert result["accuracy"] == hand["accuracy"]
+    # fp32 per-batch means against a float64 sum: ~1e-8 apart; a 1e-2 nudge of one core moves it 6e-6
+    assert result["loss"] == pytest.approx(hand["loss"], rel=1e-6), (result, hand)
     # Deterministic: the same masks give the same numbers, from the checkpoint directory itself too.
     rc, out, _ = in_process(capsys, "evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step00000006"),
                             "--data", str(corpus), "--json", "--batch-size", "4")
@@ -102,6 +123,35 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
 
+@torch.no_grad()
+def _hand_evaluate(run_dir: Path, corpus: Path, *, batch_size: int) -> dict[str, float]:
+    """What ``evaluate`` must print, by hand: the engine's weights, the same masked batches (the data
+    pipeline is shared, the arithmetic is not), cross-entropy and arg-max over the label tokens."""
+    from comera_dist.data.collators import collator_for
+    from comera_dist.data.loader import eval_batches
+    from comera_dist.data.prepare import evaluation_corpus
+    from comera_dist.data.tokenizer import load_tokenizer
+    from comera_dist.engine.evaluate import load_run
+
+    cfg = load_run(run_dir).cfg
+    assert cfg.data.objective == "mlm"  # what the arithmetic below computes
+    _, model = _engine_weights(run_dir)
+    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    blocks = evaluation_corpus([str(corpus)], tokenizer, seq_len=cfg.data.seq_len, objective="mlm",
+                               show_progress=False)
+    batches = list(eval_batches(blocks, batch_size=batch_size, rank=0, world_size=1, seed=0,
+                                collator=collator_for("mlm", tokenizer, cfg.data.mlm_probability)))
+    loss_sum, correct, count = 0.0, 0, 0
+    for b in batches:
+        logits = model(input_ids=b["input_ids"])["logits"]  # (B, T, V)
+        keep = b["labels"] != -100  # (B, T)
+        picked, labels = logits[keep].double(), b["labels"][keep]  # (N, V), (N,)
+        loss_sum += float(F.cross_entropy(picked, labels, reduction="sum"))
+        correct += int((picked.argmax(-1) == labels).sum())
+        count += int(keep.sum())
+    return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count, "batches": len(batches)}
+
+
 def test_export_round_trips(run_dir, tmp_path, capsys):
     from transformers import AutoModelForMaskedLM
 
@@ -109,9 +159,10 @@ def test_export_round_trips(run_dir, tmp_path, capsys):
     from comera_dist.models.tt_io import load_tt
 
     run = load_run(run_dir)
+    weights, model = _engine_weights(run_dir)
     ids = torch.randint(0, run.cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = run.model(ids)["logits"]  # (2, 16, V)
+        expected = model(ids)["logits"]  # (2, 16, V)
 
     for fmt in ("dense-hf", "tt", "consolidated"):
         rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt),
@@ -123,8 +174,9 @@ def test_export_round_trips(run_dir, tmp_path, capsys):
         tt = load_tt(tmp_path / "tt").eval()
         torch.testing.assert_close(tt(ids)["logits"], expected, rtol=1e-6, atol=1e-6)
     state = torch.load(tmp_path / "consolidated" / "consolidated_fp32.pt", weights_only=True)
-    assert state.keys() == run.state.keys()
-    assert all(torch.equal(state[k], run.state[k]) for k in state)
+    assert state.keys() == weights.keys()
+    differ = [k for k in state if not torch.equal(state[k], weights[k])]
+    assert not differ, f"consolidated export != the engine's weights: {differ}"
     assert (tmp_path / "dense-hf" / "tokenizer.json").is_file()
     # An existing non-empty --out is refused, untouched.
     before = sorted(p.name for p in (tmp_path / "tt").iterdir())

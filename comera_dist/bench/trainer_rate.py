@@ -8,9 +8,10 @@ by ``config.load_run_config`` exactly as ``comera pretrain --set`` applies them)
    the bare CoMERA step of ``bench six-encoder``: forward + backward + fused ``torch.optim.AdamW`` over
    ``compression.groups.param_groups(model, cfg.comera.lr)``, the objective through
    ``RankController.objective`` (early stage: task loss + gamma * R). Eager, under ``torch.autocast``
-   in bf16 (fp16) over fp32 weights when ``deepspeed.precision`` is bf16 (fp16). The batch is a
+   in bf16 over fp32 weights when ``deepspeed.precision`` is bf16. The batch is a
    random MLM batch of the trainer's micro-batch shape: ``input_ids`` (B, T) uniform over the
-   vocabulary, ``labels`` the ids at 15% of the positions and -100 elsewhere, B =
+   vocabulary, ``labels`` the ids at 15% of the positions and -100 elsewhere, with the collator's
+   ``mlm_positions`` (the head runs at those rows, as in the trainer), B =
    ``deepspeed.micro_batch_size_per_gpu``, T = ``data.seq_len``. ``--warmup`` untimed steps, then
    ``--steps`` timed ones with a device synchronize before and after each (as ``six-encoder`` times);
    ``bench_tokens_per_s`` = B * T / median step time.
@@ -66,7 +67,7 @@ SMOKE_SETS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_l
               "comera.tensorize.embedding_max_rank=4"]
 """``--smoke``: the tiny CodeBERT shrunk as ``launch/gpu_check.sh --cpu-smoke`` shrinks it."""
 TARGET = 0.8
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 MLM_PROBABILITY = 0.15
 
 
@@ -80,13 +81,14 @@ def trainer_sets(steps: int, out_dir: Path) -> list[str]:
 
 def random_mlm_batch(vocab_size: int, batch: int, seq_len: int, device: torch.device,
                      seed: int = 0) -> dict[str, Tensor]:
-    """input_ids (B, T) uniform over the vocabulary; labels (B, T): the id at 15% of positions, -100 elsewhere."""
+    """input_ids (B, T) uniform over the vocabulary; as the MLM collator gives them, ``mlm_positions``
+    (B, P): a random P = round(15% of T) positions per row, and labels (B, T): the ids there, -100 elsewhere."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)  # (B, T)
-    selected = torch.rand(batch, seq_len, generator=gen) < MLM_PROBABILITY  # (B, T)
-    selected[:, 0] = True  # at least one label per row: the loss is never an empty mean
-    labels = torch.where(selected, ids, -100)  # (B, T)
-    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+    count = max(1, round(MLM_PROBABILITY * seq_len))
+    positions = torch.rand(batch, seq_len, generator=gen).argsort(dim=1)[:, :count].sort(dim=1).values  # (B, P)
+    labels = torch.full_like(ids, -100).scatter(1, positions, ids.gather(1, positions))  # (B, T)
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "mlm_positions": positions.to(device)}
 
 
 def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Batch collators: MLM masking (80/10/10) and causal LM, deterministic given a ``torch.Generator``.
 
-A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, labels)``, both
-``(B, L)`` int64; ignored label positions are ``-100``. ``PackedLoader`` seeds the generator per
+A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, labels, ...)``, both
+``(B, L)`` int64; ignored label positions are ``-100``. The MLM collator adds ``mlm_positions``
+``(B, P)``: a fixed number of positions per row holding every label, so the model runs its head
+and loss on those rows only (static shapes, no host sync). ``PackedLoader`` seeds the generator per
 (seed, step, rank) with ``batch_seed``, so a batch's masks depend only on those.
 
 There is no ``attention_mask``: packed blocks hold no padding, and an all-ones mask would make
@@ -33,10 +35,15 @@ def batch_seed(seed: int, step: int, rank: int) -> int:
 
 
 def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.15) -> Collator:
-    """BERT masking: select ``mlm_probability`` of the non-special tokens; of those 80% become
-    ``[MASK]``, 10% a random non-special token, 10% stay; labels hold the originals there only.
+    """BERT masking: select ``P = max(1, round(mlm_probability * L))`` non-special tokens per row
+    (fewer where a row has fewer), uniformly without replacement, as BERT's own data builder does;
+    of those 80% become ``[MASK]``, 10% a random non-special token, 10% stay; labels hold the
+    originals there only. ``mlm_positions`` (B, P), ascending, lists the selected positions (padded
+    with unselected ones, whose label is ``-100``, in a row with fewer than P eligible tokens).
 
-    At least one token per batch is selected, so the loss is never a mean over nothing.
+    A fixed count per row instead of an independent draw per token keeps the shapes static: the
+    MLM head and its cross-entropy run on (B, P) rows instead of (B, L), about 1/7 of the logits at
+    the usual 15%, without a data-dependent selection (a host sync) in the model.
     """
     if not 0.0 < mlm_probability < 1.0:
         raise DataError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
@@ -50,11 +57,10 @@ def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.
     def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
         ids = input_ids.long()  # (B, L)
         eligible = ~torch.isin(ids, special)  # (B, L)
-        selected = (torch.rand(ids.shape, generator=generator) < mlm_probability) & eligible  # (B, L)
-        if not selected.any() and eligible.any():
-            flat = eligible.flatten().nonzero().squeeze(1)  # (n_eligible,)
-            pick = flat[torch.randint(len(flat), (1,), generator=generator)]
-            selected.view(-1)[pick] = True
+        count = max(1, round(mlm_probability * ids.shape[1]))  # P
+        keys = torch.rand(ids.shape, generator=generator).masked_fill(~eligible, 2.0)  # ineligible sort last
+        positions = keys.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, P) a random P-subset, ascending
+        selected = torch.zeros_like(eligible).scatter_(1, positions, True) & eligible  # (B, L)
         labels = torch.where(selected, ids, IGNORE_INDEX)  # (B, L)
         draw = torch.rand(ids.shape, generator=generator)  # (B, L): one draw decides 80/10/10
         to_mask = selected & (draw < 0.8)
@@ -62,7 +68,7 @@ def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.
         random_ids = ordinary[torch.randint(len(ordinary), ids.shape, generator=generator)]  # (B, L)
         out = torch.where(to_mask, mask_id, ids)
         out = torch.where(to_random, random_ids, out)
-        return {"input_ids": out, "labels": labels}
+        return {"input_ids": out, "labels": labels, "mlm_positions": positions}
 
     return collate
 

@@ -23,6 +23,8 @@ def label_token_sums(forward: Callable[..., Mapping[str, Any]], batches: Iterabl
     for batch in batches:
         out = forward(**batch)
         logits, labels = out["logits"], batch["labels"]  # (B, T, V), (B, T)
+        if batch.get("mlm_positions") is not None:  # the model's logits are at those positions only
+            labels = labels.gather(1, batch["mlm_positions"])  # (B, P)
         if causal:
             logits, labels = logits[:, :-1], labels[:, 1:]
         keep = labels != IGNORE_INDEX  # (B, T)

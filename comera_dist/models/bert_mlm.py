@@ -43,13 +43,23 @@ class BertMLM(nn.Module):
         self.head = MLMHead(cfg, self.embeddings.word)  # decoder tied to the word table (dense or TTM)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
-                token_type_ids: Tensor | None = None) -> dict[str, Tensor | None]:
-        """input_ids, attention_mask, labels: (B, T). Returns loss (scalar or None), logits (B, T, V)."""
+                token_type_ids: Tensor | None = None, mlm_positions: Tensor | None = None) -> dict[str, Tensor | None]:
+        """input_ids, attention_mask, labels: (B, T). Returns loss (scalar or None), logits (B, T, V).
+
+        ``mlm_positions`` (B, P) (the MLM collator's): the head and the loss run at those positions
+        only, and logits are (B, P, V), aligned with ``labels.gather(1, mlm_positions)``.
+        """
         keep = check_inputs(self.config, input_ids, attention_mask)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for block in self.blocks:
             x = block(x, keep)  # (B, T, C)
-        logits = self.head(x)  # (B, T, V)
+        if mlm_positions is not None:
+            if mlm_positions.dim() != 2 or mlm_positions.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"mlm_positions must be (batch, P) = ({input_ids.shape[0]}, P), "
+                                 f"got shape {tuple(mlm_positions.shape)}")
+            x = x.gather(1, mlm_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, P, C)
+            labels = None if labels is None else labels.gather(1, mlm_positions)  # (B, P)
+        logits = self.head(x)  # (B, T or P, V)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),

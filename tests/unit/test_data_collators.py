@@ -48,7 +48,21 @@ def test_mlm_80_10_10_statistics(tokenizer):
     assert torch.equal(out["labels"][sel], ids[sel])  # labels carry the originals
     assert torch.equal(out["input_ids"][~sel], ids[~sel])  # nothing else changes
     assert "attention_mask" not in out  # packed blocks have no padding: no mask, so SDPA may use flash kernels
-    assert all(v.dtype == torch.int64 and v.shape == ids.shape for v in out.values())
+    assert all(out[k].dtype == torch.int64 and out[k].shape == ids.shape for k in ("input_ids", "labels"))
+
+
+def test_mlm_positions_hold_every_label_in_a_fixed_count_per_row(tokenizer):
+    ids = _blocks(16, 40)
+    ids[5, 1:38] = 3  # P = round(0.15 * 40) = 6; this row keeps 1 eligible token: 1 label, 5 unselected
+    out = mlm_collator(tokenizer, 0.15)(ids, _gen(3))
+    pos, labels = out["mlm_positions"], out["labels"]
+    assert pos.shape == (16, 6) and pos.dtype == torch.int64
+    assert (pos.diff(dim=1) > 0).all()  # ascending, no repeats
+    picked = labels.gather(1, pos)  # (B, P)
+    # every label sits at a listed position: nothing the model's gathered head would miss
+    assert torch.equal((picked != IGNORE_INDEX).sum(1), (labels != IGNORE_INDEX).sum(1))
+    per_row = (labels != IGNORE_INDEX).sum(1)
+    assert per_row[5] == 1 and (per_row[[i for i in range(16) if i != 5]] == 6).all()
 
 
 def test_mlm_never_selects_or_inserts_special_tokens(tokenizer):

@@ -186,3 +186,29 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match=r"labels must be \(batch,\)"):
         build_model(tiny("six_encoder_cls"), None)(torch.zeros(2, 4, dtype=torch.long),
                                                    labels=torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["dense", "tt"])
+def test_mlm_head_at_the_collator_positions_equals_the_full_head(spec):
+    """``mlm_positions``: the head and the loss at those rows only give the full model's loss, logits
+    and gradients (labels are -100 everywhere else, as the MLM collator leaves them)."""
+    torch.manual_seed(0)
+    model = build_model(tiny("bert_mlm"), spec).double()
+    ids = batch(B=3)
+    positions = torch.tensor([[1, 4, 7], [0, 2, 9], [3, 5, 6]])  # (B, P)
+    labels = torch.full_like(ids, -100).scatter(1, positions, ids.gather(1, positions))
+    labels[2, 6] = -100  # a padded position (an unselected one in a row with few eligible tokens)
+    full = model(ids, labels=labels)
+    full["loss"].backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    part = model(ids, labels=labels, mlm_positions=positions)
+    part["loss"].backward()
+    assert part["logits"].shape == (3, 3, TINY.vocab_size)
+    torch.testing.assert_close(part["loss"], full["loss"])
+    torch.testing.assert_close(part["logits"], full["logits"].gather(1, positions[..., None].expand(-1, -1, 60)))
+    for n, p in model.named_parameters():
+        if n in want:
+            torch.testing.assert_close(p.grad, want[n], msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(ValueError, match="mlm_positions must be"):
+        model(ids, labels=labels, mlm_positions=positions[0])

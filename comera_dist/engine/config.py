@@ -101,7 +101,8 @@ class DeepSpeedSection:
     """Training precision of the working weights; the optimizer keeps fp32 master weights under bf16.
     fp16 is not offered: its loss scaling could not be tested (DeepSpeed's CPU accelerator refuses
     fp16 on CPUs without fp16 support, such as CI's), and the ``DynamicLossScaler`` it pickles into
-    every ZeRO checkpoint is refused by the ``weights_only`` resume gate (``checkpoint.verify_weights_only``)."""
+    every ZeRO checkpoint is refused by the ``weights_only`` resume gate (``checkpoint.verify_weights_only``).
+    bf16 needs ``zero_stage`` >= 1 (see ``__post_init__``)."""
     gradient_clipping: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping (>= 0)."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -127,6 +128,12 @@ class DeepSpeedSection:
                              + (" (fp16 is not supported: use bf16)" if self.precision == "fp16" else ""))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.precision == "bf16" and self.zero_stage == 0:
+            raise ValueError(
+                "deepspeed.precision=bf16 needs deepspeed.zero_stage >= 1 (got 0): at stage 0 DeepSpeed trains "
+                "bf16 through its FP16_Optimizer wrapper, whose flat fp32 masters and moments map to no "
+                "parameter, so checkpoints and the prune rebuild could not read them; stage 1 on one GPU "
+                "partitions nothing and keeps a per-parameter mapping")
         for name in ("train_batch_size", "micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -29,6 +29,14 @@ def test_fp16_is_refused_naming_the_key():
 
 @pytest.mark.parametrize("precision,expected", [("fp32", None), ("bf16", {"enabled": True})])
 def test_deepspeed_json_has_no_fp16_section(precision, expected):
-    cfg = build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": precision}})
+    cfg = build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": precision, "zero_stage": 1}})
     ds = to_deepspeed_dict(cfg.deepspeed, 2, total_steps=4, group_lrs=[1e-3])
     assert ds.get("bf16") == expected and "fp16" not in ds
+
+
+def test_bf16_at_zero_stage_0_is_refused_naming_both_keys():
+    """DeepSpeed trains bf16 at stage 0 through FP16_Optimizer, whose flat state maps to no parameter:
+    a checkpoint of it failed with KeyError 'exp_avg' (engine.prune.gather_full_state)."""
+    with pytest.raises(ConfigError, match=r"deepspeed\.precision=bf16 needs deepspeed\.zero_stage >= 1 \(got 0\)"):
+        build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": "bf16", "zero_stage": 0}})
+    DeepSpeedSection(micro_batch_size_per_gpu=2, precision="bf16", zero_stage=1)  # stage 1: accepted

@@ -29,9 +29,21 @@ def shared_factors(module: nn.Module) -> dict[int, tuple[Tensor, Tensor]]:
     """``L``/``R`` of every TT linear layer in ``module`` whose order is ``auto`` or ``lr``.
 
     Layers whose cores have identical shapes (and dtype, device, split ``d``) are contracted
-    together; a group of one goes through the layer's own ``_halves``. Differentiable.
+    together; a group of one goes through the layer's own ``_halves``. Differentiable. Empty under
+    ZeRO-3 (see ``partitioned``): each layer then contracts its own cores in its own forward.
     """
+    if partitioned(module):
+        return {}
     return _shared(module, with_penalty=False)[0]
+
+
+def partitioned(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``module``'s parameters (it marks each with ``ds_id``).
+
+    ZeRO-3 gathers a submodule's parameters only around that submodule's own forward, so a
+    model-level contraction of every layer's cores would read empty shards.
+    """
+    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def shared_factors_and_penalty(module: nn.Module) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
@@ -42,7 +54,10 @@ def shared_factors_and_penalty(module: nn.Module) -> tuple[dict[int, tuple[Tenso
     stack, so its gradient arrives once instead of being summed from the factors and a separate
     penalty pass (183 fewer ``add`` and ``select`` ops per six-encoder step). Gates outside the
     groups (the embedding, singletons, forced orders) are stacked per length as the penalty does.
+    Under ZeRO-3 (``partitioned``): no factors and no R (the caller computes R its own way).
     """
+    if partitioned(module):
+        return {}, None
     return _shared(module, with_penalty=True)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_dist.layers.group import shared_factors
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_output_head
@@ -50,9 +51,10 @@ class BertMLM(nn.Module):
         only, and logits are (B, P, V), aligned with ``labels.gather(1, mlm_positions)``.
         """
         keep = check_inputs(self.config, input_ids, attention_mask)
+        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, keep)  # (B, T, C)
+            x = block(x, keep, factors)  # (B, T, C)
         if mlm_positions is not None:
             if mlm_positions.dim() != 2 or mlm_positions.shape[0] != input_ids.shape[0]:
                 raise ValueError(f"mlm_positions must be (batch, P) = ({input_ids.shape[0]}, P), "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from comera_dist.layers.group import Factors, shared_factors
 from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
@@ -28,10 +29,10 @@ class PreLNBlock(nn.Module):
         self.ffn = FeedForward(cfg, spec)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
-        """x: (B, T, C); keep: (B, T) bool or None -> (B, T, C)."""
-        x = x + self.drop(self.attn(self.attn_norm(x), keep))  # (B, T, C)
-        return x + self.drop(self.ffn(self.ffn_norm(x)))  # (B, T, C)
+    def forward(self, x: Tensor, keep: Tensor | None, factors: Factors | None = None) -> Tensor:
+        """x: (B, T, C); keep: (B, T) bool or None; factors: shared TT factors or None -> (B, T, C)."""
+        x = x + self.drop(self.attn(self.attn_norm(x), keep, factors))  # (B, T, C)
+        return x + self.drop(self.ffn(self.ffn_norm(x), factors))  # (B, T, C)
 
 
 class GPT(nn.Module):
@@ -52,10 +53,11 @@ class GPT(nn.Module):
                 labels: Tensor | None = None) -> dict[str, Tensor | None]:
         """input_ids, attention_mask, labels: (B, T). Returns loss (shifted next-token CE), logits (B, T, V)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
+        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
         x = self.drop(self.word(input_ids) + self.position(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x, keep)  # (B, T, C)
+            x = block(x, keep, factors)  # (B, T, C)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:

@@ -88,6 +88,44 @@ def test_six_encoder_with_and_without_shared_factors(monkeypatch):
     assert group_mod.shared_factors is not None
 
 
+@pytest.mark.parametrize("arch", ["bert_mlm", "gpt"])
+def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypatch, arch):
+    """BERT-MLM and GPT contract same-shape layers together (the trainer's models): same loss and
+    gradients as every layer on its own, and the grouped path really ran."""
+    cfg = ModelConfig(arch=arch, vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                      intermediate_size=32, max_positions=8, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
+    ids = torch.randint(0, 50, (2, 8))
+    used = []  # layers applied with their shared factors
+    real_project = group_mod.project
+    monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors: used.append(
+        factors is not None and id(layer) in factors) or real_project(layer, x, factors))
+    real = group_mod.shared_factors
+    results = []
+    for share in (True, False):
+        if not share:
+            monkeypatch.setattr(f"comera_dist.models.{arch}.shared_factors", lambda m: {})
+        model.zero_grad()
+        loss = model(ids, labels=ids)["loss"]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    n = 6 * cfg.num_layers  # Q, K, V, O, FFN in, FFN out per block
+    assert len(real(model)) == n and used[:n] == [True] * n and used[n:] == [False] * n
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_shared_factors_step_aside_under_zero3():
+    """ZeRO-3 marks partitioned parameters with ``ds_id`` and gathers them per submodule: no model-level factors."""
+    layers = torch.nn.ModuleList(TTLinear(12, 12, in_modes=[3, 4], out_modes=[4, 3], max_rank=2) for _ in range(2))
+    assert len(group_mod.shared_factors(layers)) == 2
+    for p in layers.parameters():
+        p.ds_id = 0
+    assert group_mod.shared_factors(layers) == {}
+
+
 @pytest.mark.parametrize("G", [2, 4])
 def test_batched_groups_bigger_than_one(G):
     g = torch.Generator().manual_seed(G)

@@ -1,5 +1,11 @@
 """PackedLoader(prefetch=True): the same batches and the same resumable state as without prefetching."""
 
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import datasets
 import numpy as np
 import pyarrow as pa
@@ -54,3 +60,30 @@ def test_load_state_dict_discards_the_prefetched_batch():
     assert _same(next(jumped), expected[3])
     ahead.close()
     jumped.close()
+
+
+PROBE = """
+import torch
+from test_data_loader_prefetch import PackedLoader, _collate, _dataset
+seen = []
+def collate(ids, gen):
+    seen.append(torch.get_num_threads())
+    return _collate(ids, gen)
+loader = PackedLoader(_dataset(9), batch_size=2, rank=0, world_size=1, seed=0, collator=collate, prefetch=True)
+for _ in range(3):
+    next(loader)
+loader.close()
+print(torch.get_num_threads(), seen)
+"""
+
+
+def test_prefetch_thread_runs_torch_on_one_intra_op_thread():
+    """An OpenMP team of the prefetch thread's own would spin on every core after each batch and starve
+    the training thread (the trainer ran 25x slower on 2 cores). Run with 2 OpenMP threads (the test
+    suite's default is 1, where the problem cannot show): batches after the first, made on the prefetch
+    thread, see one intra-op thread; the main thread keeps its two."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split(maxsplit=1)
+    main, seen = int(out[0]), ast.literal_eval(out[1])
+    assert main == 2 and seen[0] == 2 and seen[1:] == [1] * (len(seen) - 1), (main, seen)

@@ -38,7 +38,15 @@ the trainer's (DeepSpeed engine, bf16 weights in DeepSpeed's bf16 mode, ZeRO's o
 session's host reads of the global loss and objective, the data loader) against the bare
 eager step (autocast over fp32 weights, no DeepSpeed, a fixed batch already on the device).
 Metrics: ``bench_tokens_per_s``, ``trainer_tokens_per_s``, ``trainer_rate_over_bench`` (target 0.8)
-and ``trainer_loop_tokens_per_s``. ``--smoke``: ``configs/codebert-tiny-cpu.yaml`` shrunk like
+and ``trainer_loop_tokens_per_s``.
+
+3. **session** (after the trainer, in its process group): the trainer's ``TrainSession.train_step``
+   alone, on one fixed batch already on the device (``session_tokens_per_s``,
+   ``session_rate_over_bench``). It splits the gap: bench -> session is DeepSpeed and the session's
+   objective, all-reduces and host reads; session -> trainer is the data loader, metrics and logging.
+   ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step.
+
+``--smoke``: ``configs/codebert-tiny-cpu.yaml`` shrunk like
 ``launch/gpu_check.sh --cpu-smoke`` (CI, under a minute on a CPU).
 """
 
@@ -58,6 +66,7 @@ import torch
 from torch import Tensor
 
 from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.six_encoder import top_ops
 
 CONFIG = "configs/six-encoder-mlm.yaml"
 SMOKE_CONFIG = "configs/codebert-tiny-cpu.yaml"
@@ -128,7 +137,31 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
         sync()
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "step_min_s": min(times), "tokens_per_step": b * t,
-            "params": sum(p.numel() for p in model.parameters())}
+            "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch))}
+
+
+def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    """The trainer's own ``TrainSession.train_step`` (DeepSpeed engine and optimizer, the session's
+    objective, all-reduces and host reads) on one fixed batch already on the device: the trainer's
+    step without its data loader, metrics and logging. Needs the process group the trainer made."""
+    from comera_dist.engine.model_factory import build_run_model
+    from comera_dist.engine.session import TrainSession
+
+    session = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=1)
+    batch = random_mlm_batch(cfg.model.vocab_size, cfg.deepspeed.micro_batch_size_per_gpu, cfg.data.seq_len, device)
+    micro = [batch] * session.accumulation
+    for _ in range(warmup):
+        session.train_step(micro)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        session.train_step(micro)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "micro_batches": session.accumulation,
+            "profile": top_ops(lambda: session.train_step(micro))}
 
 
 def _single_rank_env(device: torch.device) -> None:
@@ -231,11 +264,16 @@ def main(argv: list[str]) -> int:
         command = shlex.join(["comera", "pretrain", "--config", config,
                               *(a for s in sets for a in ("--set", s)), "--resume", "none"])
         trainer = trainer_rate(config, sets, args.skip, steps, out_dir)
+    session = session_rate(cfg, device, steps, args.warmup)
     bench_tps = bench["tokens_per_step"] / bench["step_s"]
+    session_tps = bench["tokens_per_step"] * session["micro_batches"] / session["step_s"]
     metrics = {"bench_tokens_per_s": bench_tps, "trainer_tokens_per_s": trainer["tokens_per_s"],
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
-               "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"]}
+               "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
+               "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
     rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},
+            {"contender": "session step (DeepSpeed, fixed batch)", "tokens_per_s": session_tps,
+             "step_s": bench["tokens_per_step"] / session_tps},
             {"contender": "trainer (its tokens_per_second)", "tokens_per_s": trainer["tokens_per_s"],
              "step_s": bench["tokens_per_step"] / trainer["tokens_per_s"]},
             {"contender": "trainer loop (wall)", "tokens_per_s": trainer["loop_tokens_per_s"],
@@ -249,6 +287,7 @@ def main(argv: list[str]) -> int:
         "trainer_steps": args.skip + steps, "trainer_skipped_steps": args.skip,
         "trainer_tokens_per_second_by_step": {str(k): v for k, v in trainer["per_step"].items()},
         "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
+        "profile": {"bench step": bench["profile"], "session step": session["profile"]},
         "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
     write_result(args.json, "trainer-rate", metrics, rows, result_config)
     return 0

@@ -35,9 +35,13 @@ def test_trainer_rate_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     m = result["metrics"]
-    for key in ("bench_tokens_per_s", "trainer_tokens_per_s", "trainer_rate_over_bench"):
+    for key in ("bench_tokens_per_s", "trainer_tokens_per_s", "trainer_rate_over_bench", "session_tokens_per_s",
+                "session_rate_over_bench"):
         assert math.isfinite(m[key]) and m[key] > 0, (key, m[key])
     assert m["trainer_rate_over_bench"] == pytest.approx(m["trainer_tokens_per_s"] / m["bench_tokens_per_s"])
+    assert m["session_rate_over_bench"] == pytest.approx(m["session_tokens_per_s"] / m["bench_tokens_per_s"])
+    assert set(result["config"]["profile"]) == {"bench step", "session step"}
+    assert all(ops and ops[0]["calls"] >= 1 for ops in result["config"]["profile"].values())
     assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
     assert result["config"]["device"] == "cpu"
     assert result["config"]["command"].startswith("comera pretrain --config configs/codebert-tiny-cpu.yaml ")

@@ -13,8 +13,9 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
@@ -50,7 +51,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     with path.open(encoding="utf-8") as f:
         try:
-            data = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - SafeLoader subclass
+            data = yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from e
     if data is None:

@@ -11,9 +11,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import socket  # noqa: E402
+import socket
 
-import pytest  # noqa: E402
+import pytest
 
 
 def free_port() -> int:

@@ -73,10 +73,8 @@ class OpCounter(TorchDispatchMode):
         self.ops[name] += 1
         self.views += bool(getattr(func, "is_view", False))
         kwargs = kwargs or {}
-        if name in SYNC_OPS:
-            self.syncs[name] += 1
-        elif name == "aten.repeat_interleave" and kwargs.get("output_size") is None and \
-                func is _aten.repeat_interleave.Tensor:
+        if name in SYNC_OPS or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None
+                                and func is _aten.repeat_interleave.Tensor):
             self.syncs[name] += 1
         elif name in ("aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_") and \
                 _indexes_with_bool(args):

@@ -46,7 +46,7 @@ def downcast(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     The interpreter's fp32 -> bf16 cast truncates (twice the rounding error), so under it bf16
     is rounded by hand first (the usual add-0x7FFF-plus-odd-bit trick), then cast exactly.
     """
-    if INTERPRETED:
+    if INTERPRETED:  # noqa: SIM102 - two compile-time branches in a @triton.jit function, kept apart
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

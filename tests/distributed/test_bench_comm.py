@@ -15,7 +15,7 @@ def test_bench_comm_writes_measured_bytes(tmp_path):
     out = tmp_path / "comm.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "comera_dist.bench", "comm", "--steps", "1", "--warmup", "1",
-                           "--batch-size", "2", "--json", str(out)], cwd=ROOT, env=env,
+                           "--batch-size", "2", "--json", str(out)], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

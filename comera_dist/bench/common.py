@@ -88,3 +88,18 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def single_rank_env() -> None:
+    """RANK, WORLD_SIZE, MASTER_ADDR/PORT ... of a 1-process job on a free loopback port, unless a
+    launcher already set them: benchmarks that run the real trainer in their own process (``soak``,
+    ``trainer-rate``) call ``engine.trainer.train`` as rank 0 of 1."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

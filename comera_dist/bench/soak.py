@@ -18,14 +18,13 @@ and ``checkpoint_bytes``.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, single_rank_env, write_result
 
 CONFIG = "configs/tiny-cpu.yaml"
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -44,12 +43,7 @@ def rss_drift(series: list[int]) -> float:
 
 
 def _single_rank_env() -> None:
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    single_rank_env()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import statistics
 import tempfile
 import time
@@ -65,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, single_rank_env, write_result
 from comera_dist.bench.six_encoder import top_ops
 
 CONFIG = "configs/six-encoder-mlm.yaml"
@@ -165,13 +164,8 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
 
 
 def _single_rank_env(device: torch.device) -> None:
-    """RANK/WORLD_SIZE/... of a 1-process job on a free loopback port; DeepSpeed's accelerator = the device."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    """``common.single_rank_env``, and DeepSpeed's accelerator = the device."""
+    single_rank_env()
     accelerator = "cuda" if device.type == "cuda" else "cpu"
     if os.environ.setdefault("DS_ACCELERATOR", accelerator) != accelerator:
         raise SystemExit(f"trainer-rate: DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} but --device {device}")

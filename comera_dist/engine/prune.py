@@ -153,7 +153,7 @@ def restore_optimizer_state(engine, state: FullState, *, set_master: bool) -> No
 
     DeepSpeed's optimizers create AdamW state lazily at the first step; it is created here
     (zeros, then the saved moments through ``safe_set_full_optimizer_state``). ``set_master``
-    also writes the fp32 master weights (needed under bf16/fp16, where the engine built its
+    also writes the fp32 master weights (needed under bf16, where the engine built its
     master copy from the rounded module weights).
     """
     inner = torch_optimizer(engine)

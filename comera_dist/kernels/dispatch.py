@@ -15,8 +15,9 @@ with Triton, so on CUDA ``auto`` runs the torch path for both ops. A shape enter
 with a measurement on a named card that shows the kernel ahead.
 
 Under ``torch.compile`` the choice is made when a graph is traced: the ``use_backend`` override
-is a module global, which Dynamo guards (changing it re-traces); ``COMERA_KERNELS`` is read at
-trace time only. The override is process-wide, not per thread.
+is a module global, which Dynamo guards (changing it re-traces); ``COMERA_KERNELS`` is read when
+tracing (torch 2.13 also guards on it and re-traces when it changes; tests/unit/test_dispatch_trace.py
+gives each value a fresh trace). The override is process-wide, not per thread.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class TTLinear(TensorizedModule):
 
     def chosen_order(self, tokens: int, bytes_per_element: int = 4) -> str:
         """The contraction order ``forward`` uses for ``tokens`` tokens of ``bytes_per_element``-byte
-        activations (2 under bf16/fp16: the saved activations weigh half as much)."""
+        activations (2 under bf16: the saved activations weigh half as much)."""
         if self._order != "auto":
             return self._order
         return choose_order(tokens, self.in_modes, self.out_modes, self.full_ranks(active=False),

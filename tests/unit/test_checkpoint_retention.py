@@ -2,15 +2,16 @@
 retention by ``keep`` alone, ``latest`` naming a missing or incomplete checkpoint, and ``resolve`` /
 ``choose`` given a checkpoints root or one checkpoint.
 
-One rank: ``checkpoint.dist`` is a single-process stand-in and the engine writes one model file, as
-DeepSpeed's ``save_checkpoint`` does under the temporary tag. Retention with ``keep_every`` and
-``latest`` protection is in test_checkpoint_manifest.py; 2-rank saves in tests/distributed.
+A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group, so
+``save`` runs its real collectives and DeepSpeed writes its real files. Retention with
+``keep_every`` and ``latest`` protection is in test_checkpoint_manifest.py; 2-rank saves, corruption
+and resume in tests/distributed.
 """
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,69 +21,73 @@ from comera_dist.engine import checkpoint as ckpt
 MODEL = "mp_rank_00_model_states.pt"
 
 
-class _Engine:
-    """Writes what DeepSpeed's ``save_checkpoint`` would: a directory named by the tag, one model file."""
+@pytest.fixture(scope="module")
+def engine():
+    """A DeepSpeed engine in a one-process group on a free port; the group is destroyed after the module."""
+    import deepspeed
+    import deepspeed.comm as dist
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        model = torch.nn.Linear(4, 4)
+        eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
+        yield eng
+        dist.destroy_process_group()
 
-    def __init__(self, weight: float) -> None:
-        self.weight = weight
 
-    def save_checkpoint(self, root: str, tag: str, client_state: dict, save_latest: bool) -> None:
-        assert not save_latest  # ``latest`` is ours to move, after verification
-        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
-        torch.save({"module": {"w": torch.full((4,), self.weight)}, **client_state}, Path(root) / tag / MODEL)
-
-
-@pytest.fixture(autouse=True)
-def one_rank(monkeypatch):
-    monkeypatch.setattr(ckpt, "dist", SimpleNamespace(
-        get_rank=lambda: 0, get_world_size=lambda: 1, barrier=lambda: None,
-        all_gather_object=lambda out, obj: out.__setitem__(0, obj)))
-
-
-def _save(root: Path, step: int, weight: float = 0.0, *, keep: int = 10, retain: bool = True) -> Path:
-    return ckpt.save(_Engine(weight), root, step, client_state={"step": step}, meta={}, resolved_config={},
+def _save(engine, root: Path, step: int, weight: float = 0.0, *, keep: int = 10, retain: bool = True) -> Path:
+    with torch.no_grad():
+        engine.module.weight.fill_(weight)  # tells the saves apart
+    return ckpt.save(engine, root, step, client_state={"step": step}, meta={}, resolved_config={},
                      keep=keep, retain=retain)
 
 
 def _weight(path: Path) -> float:
-    return float(torch.load(path / MODEL, weights_only=True)["module"]["w"][0])
+    return float(torch.load(path / MODEL, weights_only=False)["module"]["weight"][0, 0])
 
 
 def _steps(root: Path) -> list[int]:
     return [ckpt.step_of(p) for p in ckpt.complete_checkpoints(root)]
 
 
-def test_resaving_a_step_replaces_it(tmp_path):
-    _save(tmp_path, 4, weight=1.0)
-    path = _save(tmp_path, 4, weight=2.0)  # e.g. the same step again after a resume
+def test_resaving_a_step_replaces_it(engine, tmp_path):
+    _save(engine, tmp_path, 4, weight=1.0)
+    path = _save(engine, tmp_path, 4, weight=2.0)  # e.g. the same step again after a resume
     assert _weight(path) == 2.0 and ckpt.check(path) == [] and _steps(tmp_path) == [4]
     assert (tmp_path / ckpt.LATEST).read_text() == ckpt.tag_for(4)
     assert not list(tmp_path.glob(ckpt.TMP_PREFIX + "*"))
 
 
-def test_stale_temporary_tags_are_never_published_and_are_swept(tmp_path):
+def test_stale_temporary_tags_are_never_published_and_are_swept(engine, tmp_path):
     for step in (2, 4):  # leftovers of two crashed saves
         stale = tmp_path / f"{ckpt.TMP_PREFIX}{ckpt.tag_for(step)}"
         stale.mkdir()
         (stale / "stale.pt").write_bytes(b"from the crashed attempt")
-    path = _save(tmp_path, 4)
+    path = _save(engine, tmp_path, 4)
     assert not (path / "stale.pt").exists() and "stale.pt" not in ckpt.manifest.read(path)["files"]
     assert not list(tmp_path.glob(ckpt.TMP_PREFIX + "*"))  # the other tag's leftover too
 
 
-def test_retention_by_keep_alone(tmp_path):
+def test_retention_by_keep_alone(engine, tmp_path):
     for step in (1, 2, 3):
-        _save(tmp_path, step, keep=2, retain=step != 3)
+        _save(engine, tmp_path, step, keep=2, retain=step != 3)
     assert _steps(tmp_path) == [1, 2, 3]  # retain=False deleted nothing
-    _save(tmp_path, 4, keep=2)
+    _save(engine, tmp_path, 4, keep=2)
     assert _steps(tmp_path) == [3, 4]
     assert ckpt.remove_old(tmp_path, keep=1) == [tmp_path / ckpt.tag_for(3)] and _steps(tmp_path) == [4]
 
 
 @pytest.mark.parametrize("named", ["incomplete", "missing"])
-def test_latest_naming_an_unusable_checkpoint_falls_back_to_the_newest_complete(tmp_path, named):
+def test_latest_naming_an_unusable_checkpoint_falls_back_to_the_newest_complete(engine, tmp_path, named):
     for step in (100, 200):
-        _save(tmp_path, step)
+        _save(engine, tmp_path, step)
     if named == "incomplete":  # a checkpoint directory without its manifest
         (tmp_path / ckpt.tag_for(300)).mkdir()
         (tmp_path / ckpt.tag_for(300) / MODEL).write_bytes(b"half")
@@ -93,10 +98,10 @@ def test_latest_naming_an_unusable_checkpoint_falls_back_to_the_newest_complete(
     assert ckpt.choose("auto", tmp_path) == newest
 
 
-def test_resolve_and_choose_take_a_checkpoints_root_or_one_checkpoint(tmp_path):
+def test_resolve_and_choose_take_a_checkpoints_root_or_one_checkpoint(engine, tmp_path):
     root, elsewhere = tmp_path / "run" / "checkpoints", tmp_path / "other"
     for step in (100, 200):
-        _save(root, step)
+        _save(engine, root, step)
     (root / ckpt.LATEST).write_text(ckpt.tag_for(100))  # the root resolves to what `latest` names
     first, second = root / ckpt.tag_for(100), root / ckpt.tag_for(200)
     assert ckpt.resolve(str(root), elsewhere) == first and ckpt.choose(str(root), elsewhere) == first

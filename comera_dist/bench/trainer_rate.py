@@ -65,7 +65,7 @@ import torch
 from torch import Tensor
 
 from comera_dist.bench.common import base_parser, single_rank_env, write_result
-from comera_dist.bench.six_encoder import top_ops
+from comera_dist.bench.six_encoder import time_steps, top_ops
 
 CONFIG = "configs/six-encoder-mlm.yaml"
 SMOKE_CONFIG = "configs/codebert-tiny-cpu.yaml"
@@ -127,15 +127,8 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
     batch = random_mlm_batch(cfg.model.vocab_size, b, t, device)
     for _ in range(warmup):
         c.step(batch)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(steps):  # a device synchronize before and after each step: a time covers its kernels
-        sync()
-        t0 = time.perf_counter()
-        c.train_step(batch)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "step_min_s": min(times), "tokens_per_step": b * t,
+    timed = time_steps(c.train_step, batch, steps)  # a device synchronize around each step
+    return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "tokens_per_step": b * t,
             "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch))}
 
 
@@ -151,15 +144,8 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
     micro = [batch] * session.accumulation
     for _ in range(warmup):
         session.train_step(micro)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        session.train_step(micro)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "micro_batches": session.accumulation,
+    timed = time_steps(lambda _: session.train_step(micro), batch, steps)
+    return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
             "profile": top_ops(lambda: session.train_step(micro))}
 
 

@@ -33,10 +33,7 @@ def default_shape_of(p: torch.Tensor) -> Sequence[int]:
 
 def active_ranks(layer: nn.Module, shape_of: ShapeOf = default_shape_of) -> list[int]:
     """``#(g > tau)`` per interior bond of ``layer``; errors on a partitioned gate."""
-    for k, g in enumerate(layer.gates):
-        if g.numel() != math.prod(shape_of(g)):
-            raise ValueError(f"active ranks need full gate values but gate {k} holds {g.numel()} of "
-                             f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
+    _check_full_gates(layer, shape_of)
     return [int(r) for r in layer.ranks()]
 
 

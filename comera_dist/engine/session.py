@@ -163,8 +163,9 @@ class TrainSession:
         return self.batch.micro_batch
 
     # ------------------------------------------------------------------ training
-    def _global_mean(self, *values: float) -> list[float]:
-        t = collective_tensor(values)  # (n,) on the accelerator: NCCL refuses host tensors
+    def _global_mean(self, *values: Tensor) -> list[float]:
+        """The mean over ranks of each 0-d device tensor: one all-reduce, one host read for all of them."""
+        t = collective_stack(values)  # (n,) on the accelerator: NCCL refuses host tensors
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
 
@@ -181,12 +182,6 @@ class TrainSession:
         """
         return self.cfg.deepspeed.zero_stage < 3
 
-    def _global_mean_of(self, *values: Tensor) -> list[float]:
-        """Like ``_global_mean`` for 0-d device tensors: one all-reduce, one host read for all of them."""
-        t = collective_stack(values)  # (n,) on the accelerator
-        dist.all_reduce(t)
-        return [v / self.world_size for v in t.tolist()]
-
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
         return out["loss"]
@@ -200,7 +195,7 @@ class TrainSession:
         """
         devices = [self.device] if self.device.type != "cpu" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type), torch.no_grad():
-            losses = [float(self._forward_loss(b)) for b in micro_batches]
+            losses = [self._forward_loss(b) for b in micro_batches]
         return all(math.isfinite(v) for v in self._global_mean(*losses))
 
     def size(self) -> int:
@@ -238,7 +233,7 @@ class TrainSession:
         losses, objectives, lams, coef, r_value = [], [], [], 0.0, 0.0
         for i, batch in enumerate(micro_batches):
             task = self._forward_loss(batch)
-            global_loss, global_size = self._global_mean_of(task, size)
+            global_loss, global_size = self._global_mean(task, size)
             if not math.isfinite(global_loss):
                 if i == 0:
                     return self._skipped()  # nothing was back-propagated yet: the engine is untouched
@@ -265,7 +260,7 @@ class TrainSession:
             if proxy is not None:
                 coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients
             losses.append(global_loss)
-            objectives.append(self._global_mean(float(objective.detach()))[0])
+            objectives.append(self._global_mean(objective)[0])
             lams.append(float(self.controller.lam or 0) if self.controller.stage == "late" else 0.0)
             if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
                 self.penalty.inject(coef)

@@ -86,11 +86,13 @@ class TensorizedModule(nn.Module):
 
     def ranks(self) -> list[int]:
         """Active rank ``#(g_k > tau)`` of every interior bond (compared in fp32, see ``gate_alive``)."""
-        return [int(gate_alive(g.detach(), self.tau).sum()) for g in self.gates]
+        return self.active_ranks().tolist()  # one host read for every bond
 
     def active_ranks(self) -> Tensor:
         """``ranks()`` as one int64 tensor ``(D-1,)`` on the gates' device: no host read, so the
-        engine can all-reduce or log it without stalling the GPU (``ranks()`` syncs per gate)."""
+        engine can all-reduce or log it without stalling the GPU (``ranks()`` reads it back once)."""
+        if len(self.gates) == 0:  # a single core: no interior bond
+            return torch.zeros(0, dtype=torch.int64, device=self.tau.device)
         return torch.stack([gate_alive(g.detach(), self.tau).sum() for g in self.gates])
 
     def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:

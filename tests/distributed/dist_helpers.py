@@ -11,6 +11,7 @@ kill themselves).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -90,3 +91,14 @@ def run_ranks(fn: Callable[..., Any], workdir: Path, *args: Any, world_size: int
         else:
             results.append(None)
     return results
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of the records at ``level`` or above (attach it to a logger in a rank)."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import LogLines, run_ranks
 from engine_cases import batch, factory, tiny_config
 
 from comera_dist.engine.checkpoint import tag_for
@@ -19,15 +19,6 @@ from comera_dist.engine.checkpoint import tag_for
 SHARD0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 SHARD1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _session(outdir: str):
@@ -88,7 +79,7 @@ def _resume_variants(rank: int, world_size: int, roots: dict[str, str]) -> dict:
     from comera_dist.engine.distributed import init_distributed
 
     init_distributed(60)
-    records = _Records()
+    records = LogLines(logging.WARNING)
     logging.getLogger("comera_dist.engine.checkpoint").addHandler(records)
     out = {}
     for variant, outdir in roots.items():

@@ -18,21 +18,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import LogLines, run_ranks
 
 from comera_dist.engine.checkpoint import tag_for
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = os.environ.get("COMERA_TEST_CACHE", str(Path(tempfile.gettempdir()) / "comera-dist-test-cache"))
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _train(rank: int, world_size: int, outdir: str, steps: int, fault: str = "") -> dict:
@@ -41,7 +32,7 @@ def _train(rank: int, world_size: int, outdir: str, steps: int, fault: str = "")
     from comera_dist.config import load_run_config
     from comera_dist.engine.trainer import train
 
-    records = _Records()
+    records = LogLines(logging.INFO)
     for name in ("comera_dist.engine.session", "comera_dist.engine.trainer", "comera_dist.engine.checkpoint"):
         logging.getLogger(name).addHandler(records)
     cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
@@ -96,7 +87,7 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int)
     from comera_dist.config import load_run_config
     from comera_dist.engine.trainer import train
 
-    records = _Records()
+    records = LogLines(logging.INFO)
     for name in ("comera_dist.engine.session", "comera_dist.engine.trainer"):
         logging.getLogger(name).addHandler(records)
     cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [

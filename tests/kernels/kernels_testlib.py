@@ -36,6 +36,13 @@ def gpu_test(timeout_s: float) -> Callable:
     return mark
 
 
+def bf16_cases(module, name: str, every_config_at: tuple, paper: tuple, odd: tuple) -> list:
+    """``(shape, config)`` cases of a native bf16 test: every autotune config of ``module`` at one shape
+    (``{name}-config{i}``), the paper shape autotuned (``config`` None) and an odd shape at config 0."""
+    return ([pytest.param(every_config_at, i, id=f"{name}-config{i}") for i in range(len(module._CONFIGS))]
+            + [pytest.param(paper, None, id="paper-autotuned"), pytest.param(odd, 0, id="odd-config0")])
+
+
 def pin_config(monkeypatch: pytest.MonkeyPatch, module, index: int) -> None:
     """Every autotuned kernel of ``module`` runs only its ``index``-th config (no tuning, one compile)."""
     for name in dir(module):

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernels_testlib import (
     DEVICE,
+    bf16_cases,
     bf16_error_vs_torch,
     compare_with_reference,
     gpu_test,
@@ -166,11 +167,9 @@ def test_bf16_error_within_twice_the_torch_bf16_error():
 
 
 @gpu_test(30)
-@pytest.mark.parametrize("shape,config", [pytest.param(ROUGH, i, id=f"rough-config{i}")
-                                          for i in range(len(tt_linear_kernel._CONFIGS))]
-                         + [pytest.param(PAPER, None, id="paper-autotuned"), pytest.param(ODD, 0, id="odd-config0")])
+@pytest.mark.parametrize("shape,config", bf16_cases(tt_linear_kernel, "rough", ROUGH, PAPER, ODD))
 def test_gpu_bf16_error_within_twice_the_torch_bf16_error(monkeypatch, shape, config):
     """Native bf16 MMA with fp32 accumulation: no worse than 2x torch's own bf16 path vs fp64."""
     if config is not None:
         pin_config(monkeypatch, tt_linear_kernel, config)
-    print(bf16_error_vs_torch(ops.tt_linear, tt_linear_lr, tt_operands(*shape, bias=True, device="cuda")))
+    bf16_error_vs_torch(ops.tt_linear, tt_linear_lr, tt_operands(*shape, bias=True, device="cuda"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from kernels_testlib import (
     DEVICE,
+    bf16_cases,
     bf16_error_vs_torch,
     compare_with_reference,
     gpu_test,
@@ -154,13 +155,11 @@ def test_bf16_error_within_twice_the_torch_bf16_error():
 
 
 @gpu_test(30)
-@pytest.mark.parametrize("shape,config", [pytest.param(PAPER, i, id=f"paper-config{i}")
-                                          for i in range(len(ttm_lookup_kernel._CONFIGS))]
-                         + [pytest.param(PAPER, None, id="paper-autotuned"), pytest.param(ODD, 0, id="odd-config0")])
+@pytest.mark.parametrize("shape,config", bf16_cases(ttm_lookup_kernel, "paper", PAPER, PAPER, ODD))
 def test_gpu_bf16_error_within_twice_the_torch_bf16_error(monkeypatch, shape, config):
     """Native bf16 with fp32 accumulation: no worse than 2x torch's own bf16 path vs fp64."""
     if config is not None:
         pin_config(monkeypatch, ttm_lookup_kernel, config)
     M1, N1, rank, M2, N2, T = shape
     A, B = ttm_operands(M1, N1, rank, M2, N2, device="cuda")
-    print(bf16_error_vs_torch(ops.ttm_lookup, ttm_lookup_pairs, [_ids(T, M1 * M2, seed=5).cuda(), A, B]))
+    bf16_error_vs_torch(ops.ttm_lookup, ttm_lookup_pairs, [_ids(T, M1 * M2, seed=5).cuda(), A, B])

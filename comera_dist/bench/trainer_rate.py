@@ -57,6 +57,7 @@ import shlex
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,21 @@ def random_mlm_batch(vocab_size: int, batch: int, seq_len: int, device: torch.de
     return {"input_ids": ids.to(device), "labels": labels.to(device), "mlm_positions": positions.to(device)}
 
 
+def cuda_syncs(step: Callable[[], Any]) -> int | None:
+    """Synchronizing CUDA calls (``.item()``, device-to-host copies, data-dependent shapes ...) made by one
+    ``step``, as CUDA's sync debug mode reports them; None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
     """The bare CoMERA step of ``cfg``'s model at the trainer's micro-batch (see the module docstring)."""
     from comera_dist.bench.six_encoder import ADAMW, Contender
@@ -129,7 +145,8 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
         c.step(batch)
     timed = time_steps(c.train_step, batch, steps)  # a device synchronize around each step
     return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "tokens_per_step": b * t,
-            "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch))}
+            "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch)),
+            "syncs": cuda_syncs(lambda: c.step(batch))}
 
 
 def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
@@ -146,7 +163,7 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
         session.train_step(micro)
     timed = time_steps(lambda _: session.train_step(micro), batch, steps)
     return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
-            "profile": top_ops(lambda: session.train_step(micro))}
+            "profile": top_ops(lambda: session.train_step(micro)), "syncs": cuda_syncs(lambda: session.train_step(micro))}
 
 
 def _single_rank_env(device: torch.device) -> None:
@@ -251,6 +268,8 @@ def main(argv: list[str]) -> int:
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
                "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
                "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
+    if device.type == "cuda":
+        metrics |= {"host_syncs_per_step_bench": bench["syncs"], "host_syncs_per_step_session": session["syncs"]}
     rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},
             {"contender": "session step (DeepSpeed, fixed batch)", "tokens_per_s": session_tps,
              "step_s": bench["tokens_per_step"] / session_tps},

@@ -230,9 +230,10 @@ class TrainSession:
         if len(micro_batches) > 1 and not self._all_finite(micro_batches):
             return self._skipped()
         size = self._size_tensor()  # 0-d, on the device: read back together with the first loss
-        losses, objectives, lams, coef, r_value = [], [], [], 0.0, 0.0
+        losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
         for i, batch in enumerate(micro_batches):
             task = self._forward_loss(batch)
+            # The step's one host read before backward: the skip and the controller's lambda need it.
             global_loss, global_size = self._global_mean(task, size)
             if not math.isfinite(global_loss):
                 if i == 0:
@@ -258,18 +259,39 @@ class TrainSession:
                 objective = task
             self.engine.backward(objective)
             if proxy is not None:
-                coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients
+                coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients (ZeRO-3 only)
             losses.append(global_loss)
-            objectives.append(self._global_mean(objective)[0])
+            objectives.append(objective.detach())  # averaged over ranks once, after the step
             lams.append(float(self.controller.lam or 0) if self.controller.stage == "late" else 0.0)
             if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
                 self.penalty.inject(coef)
             self.engine.step()
         self.steps_done += 1
+        objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)
+        return StepOutput(loss=objective_mean, task_loss=sum(losses) / len(losses), penalty=penalty,
+                          lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
+                          lr=float(self.engine.get_lr()[0]), grad_norm=grad_norm)
+
+    def _after_step(self, objectives: Sequence[Tensor], r_value: Tensor | None) -> tuple[float, float, float]:
+        """(global mean objective, R, grad norm) of the step just taken, in one host read.
+
+        Nothing between the first backward and the optimizer step waits for the device: the
+        objectives stay queued until here, then one all-reduce averages them over ranks, and R and
+        DeepSpeed's grad norm (a device tensor at some stages, a number or None at others) come
+        back in the same read.
+        """
+        mean = collective_stack(objectives).mean().reshape(1)  # (1,) this rank's mean over micro-batches
+        dist.all_reduce(mean)
         norm = self.engine.get_global_grad_norm()
-        return StepOutput(loss=sum(objectives) / len(objectives), task_loss=sum(losses) / len(losses),
-                          penalty=float(r_value), lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
-                          lr=float(self.engine.get_lr()[0]), grad_norm=float("nan") if norm is None else float(norm))
+        rest = [t for t in (r_value, norm) if isinstance(t, Tensor)]
+        values = torch.cat([mean, collective_stack(rest)]).tolist() if rest else mean.tolist()
+        objective = values[0] / self.world_size
+        penalty = values[1] if r_value is not None else 0.0
+        if isinstance(norm, Tensor):
+            grad_norm = values[-1]
+        else:
+            grad_norm = float("nan") if norm is None else float(norm)
+        return objective, penalty, grad_norm
 
     def _skipped(self) -> StepOutput:
         self.steps_done += 1

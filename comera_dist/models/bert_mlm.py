@@ -16,6 +16,7 @@ from comera_dist.layers.group import shared_factors
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_output_head
+from comera_dist.models.token_loss import token_cross_entropy
 
 
 class MLMHead(nn.Module):
@@ -64,6 +65,5 @@ class BertMLM(nn.Module):
         logits = self.head(x)  # (B, T or P, V)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                   ignore_index=-100)
+            loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return {"loss": loss, "logits": logits}

@@ -16,6 +16,7 @@ from comera_dist.layers.group import Factors, shared_factors
 from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
+from comera_dist.models.token_loss import IGNORE_INDEX, token_cross_entropy
 
 
 class PreLNBlock(nn.Module):
@@ -61,6 +62,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:
-            shifted = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V) predicts token t+1
-            loss = F.cross_entropy(shifted.float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+            # position t predicts label t+1; the last position predicts nothing (no copy of the logits)
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+            loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return {"loss": loss, "logits": logits}

@@ -13,7 +13,8 @@
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
 # six-encoder (eager and CUDA-graph modes); bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml,
-# 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch). Each step is bounded by `timeout` and by what is left of the budget; a failed step does
+# 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch), eager and then compiled with
+# train.compile_mode=reduce-overhead (CUDA graphs). Each step is bounded by `timeout` and by what is left of the budget; a failed step does
 # not stop the others. Exit 0 only if every step passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,7 @@ if [ "$MODE" = gpu ]; then
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --config configs/six-encoder-mlm.yaml --set data.max_files=300 --steps 30 --skip 5)
+  GRAPHS_BACKEND=inductor
   T_KTEST=150 T_RUN=90 T_BENCH=120
 else
   export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -63,6 +65,7 @@ else
   BENCH_KERNELS=(-m comera_dist.bench kernels --allow-cpu --tokens 32 --steps 1)
   BENCH_SIX=(-m comera_dist.bench six-encoder --smoke --batch-sizes 1 --steps 1)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)
+  GRAPHS_BACKEND=aot_eager  # the plumbing only: inductor's C++ code generation takes minutes on a CPU
   T_KTEST=120 T_RUN=120 T_BENCH=90
 fi
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" >&2; exit 2; }
@@ -78,7 +81,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder trainer-rate"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder trainer-rate trainer-rate-graphs"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -153,4 +156,7 @@ done
 run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"
 run_step bench-six-encoder "$T_BENCH" "$PYTHON" "${BENCH_SIX[@]}" --json "$OUT/six-encoder.json"
 run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"
+# the same with the trainer compiled in reduce-overhead mode: its forward and backward replay as CUDA graphs
+run_step trainer-rate-graphs $((2 * T_BENCH)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND "$PYTHON" "${TRAINER_RATE[@]}" \
+  --set train.compile=true --set train.compile_mode=reduce-overhead --json "$OUT/trainer-rate-graphs.json"
 "$PYTHON" launch/gpu_check.py summary "$OUT"

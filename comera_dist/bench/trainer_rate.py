@@ -115,6 +115,15 @@ def cuda_syncs(step: Callable[[], Any]) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def aten_ops(step: Callable[[], Any]) -> int:
+    """aten ops dispatched by one ``step`` (``bench.ops.OpCounter``: views included), on any device."""
+    from comera_dist.bench.ops import OpCounter
+
+    with OpCounter() as counter:
+        step()
+    return sum(counter.ops.values())
+
+
 def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
     """The bare CoMERA step of ``cfg``'s model at the trainer's micro-batch (see the module docstring)."""
     from comera_dist.bench.six_encoder import ADAMW, Contender
@@ -146,7 +155,7 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
     timed = time_steps(c.train_step, batch, steps)  # a device synchronize around each step
     return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "tokens_per_step": b * t,
             "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch)),
-            "syncs": cuda_syncs(lambda: c.step(batch))}
+            "syncs": cuda_syncs(lambda: c.step(batch)), "ops": aten_ops(lambda: c.step(batch))}
 
 
 def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
@@ -155,15 +164,18 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
     step without its data loader, metrics and logging. Needs the process group the trainer made."""
     from comera_dist.engine.model_factory import build_run_model
     from comera_dist.engine.session import TrainSession
+    from comera_dist.engine.trainer import maybe_compile
 
     session = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=1)
+    maybe_compile(cfg, session)  # train.compile / train.compile_mode, as the trainer applies them
     batch = random_mlm_batch(cfg.model.vocab_size, cfg.deepspeed.micro_batch_size_per_gpu, cfg.data.seq_len, device)
     micro = [batch] * session.accumulation
     for _ in range(warmup):
         session.train_step(micro)
     timed = time_steps(lambda _: session.train_step(micro), batch, steps)
     return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
-            "profile": top_ops(lambda: session.train_step(micro)), "syncs": cuda_syncs(lambda: session.train_step(micro))}
+            "profile": top_ops(lambda: session.train_step(micro)), "syncs": cuda_syncs(lambda: session.train_step(micro)),
+            "ops": aten_ops(lambda: session.train_step(micro))}
 
 
 def _single_rank_env(device: torch.device) -> None:
@@ -268,6 +280,8 @@ def main(argv: list[str]) -> int:
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
                "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
                "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
+    metrics |= {"ops_per_step_bench": bench["ops"], "ops_per_step_session": session["ops"],
+                "ops_ratio_session_over_bench": session["ops"] / bench["ops"]}
     if device.type == "cuda":
         metrics |= {"host_syncs_per_step_bench": bench["syncs"], "host_syncs_per_step_session": session["syncs"]}
     rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},

@@ -47,6 +47,10 @@ class TrainConfig:
     """Collective timeout: a dead peer fails the job after this long instead of hanging (> 0)."""
     compile: bool = False
     """Wrap the model forward in ``torch.compile`` (re-traced after a stage switch or a prune)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """``torch.compile`` mode when ``compile`` is on. ``reduce-overhead`` replays the compiled forward
+    and backward as CUDA graphs (CUDA-graph trees) on a GPU: the launch-bound CoMERA step's fix; a
+    prune re-compiles and so re-captures. Inductor's modes: another ``COMERA_COMPILE_BACKEND`` ignores it."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("checkpoint_every", 0),

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from comera_dist.compression.accounting import compression_report, model_size, model_size_tensor
+from comera_dist.compression.accounting import SizeCounter, compression_report, model_size
 from comera_dist.compression.controller import RankController
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.compression.pruning import PruningPlan
@@ -141,6 +141,7 @@ class TrainSession:
         self.built = built
         self.engine = built.engine
         self.penalty = PenaltyHook(self.engine.module)
+        self._size_counter = SizeCounter(self.engine.module) if self.penalty.active else None  # this module's shapes
         # DeepSpeed put the module on its accelerator's device; batches follow it (engine/device.py).
         self.device = accelerator_device()
 
@@ -208,11 +209,11 @@ class TrainSession:
 
     def _size_tensor(self) -> Tensor:
         """S as a 0-d device tensor, without a host read per gate (``size()`` reads every gate back:
-        one sync each on a GPU). The gates are the penalty hook's, collected once per engine."""
-        if not self.penalty.active:
+        one sync each on a GPU), in a fixed handful of ops (``SizeCounter``, built once per engine)."""
+        if self._size_counter is None:
             return torch.zeros((), dtype=torch.int64, device=self.device)
         with gathered([r.param for r in self.penalty.gates]):
-            return model_size_tensor(self.module)
+            return self._size_counter()
 
     def train_step(self, micro_batches: Sequence[Batch] | Batch) -> StepOutput:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.

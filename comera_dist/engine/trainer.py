@@ -123,16 +123,18 @@ def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
             "peak_memory_bytes": _peak_memory_bytes(), "epoch": float(data.train.epoch)}
 
 
-def _maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
+def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     """``train.compile``: torch.compile the model forward inside the engine (DeepSpeed's
     ``engine.compile``). A prune rebuilds the engine around a new module, so it is compiled again;
     a stage switch changes only the objective outside the module (dynamo guards cover the rest).
     ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
-    traces the same graphs without inductor's minutes-long C++ code generation on CPU)."""
+    traces the same graphs without inductor's minutes-long C++ code generation on CPU).
+    ``train.compile_mode`` goes to torch.compile as its ``mode``."""
     if cfg.train.compile:
         backend = os.environ.get("COMERA_COMPILE_BACKEND", "inductor")
-        session.engine.compile(backend=backend)
-        log.info("torch.compile (%s): engine compiled = %s", backend, session.engine.is_compiled)
+        mode = cfg.train.compile_mode
+        session.engine.compile(backend=backend, compile_kwargs={} if mode == "default" else {"mode": mode})
+        log.info("torch.compile (%s, mode %s): engine compiled = %s", backend, mode, session.engine.is_compiled)
 
 
 def _format(values: dict[str, float]) -> str:
@@ -158,7 +160,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     start = _restore(session, data, guard, resume)
     faults = NonFiniteInjector(info.rank)
     faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
-    _maybe_compile(cfg, session)
+    maybe_compile(cfg, session)
     if info.rank == 0:
         data.save_tokenizer(Path(cfg.train.output_dir) / "tokenizer")
     metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,
@@ -192,7 +194,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
                     log.info("step %d: physical prune, engine rebuilt (total bond size %d)", step,
                              sum(sum(d) for d in session.bond_dims().values()))
                 faults.attach(session.module)  # the rebuilt engine holds a new module
-                _maybe_compile(cfg, session)  # new shapes: trace the new module again
+                maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)
                 values.update(_periodic_metrics(session, data))
             elif step % cfg.train.log_every == 0:

@@ -216,19 +216,25 @@ def test_bad_data_input_exit_2_nothing_written(tmp_path):
     assert not out.exists()
 
 
-def test_compiled_step_matches_eager(run_dir, tmp_path):
+@pytest.mark.parametrize("backend,mode", [("aot_eager", "default"), ("inductor", "reduce-overhead")])
+def test_compiled_step_matches_eager(run_dir, tmp_path, backend, mode):
     """``train.compile: true`` (torch.compile of the forward inside the engine) trains the same
-    trajectory: after 3 steps the weights match the eager run's step-3 checkpoint. The aot_eager
-    backend traces the same graphs as inductor without minutes of C++ code generation on CPU."""
+    trajectory: after 3 steps the weights match the eager run's step-3 checkpoint. aot_eager traces the same graphs as inductor without its
+    code generation; inductor in ``reduce-overhead`` mode (CUDA graphs on a GPU, fused C++ kernels
+    here) is the GPU configuration, compiled for the CPU."""
     out = tmp_path / "compiled"
     p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
-               "--set", "train.steps=3", "--set", "train.compile=true",
-               env=_env(COMERA_COMPILE_BACKEND="aot_eager"))
+               "--set", "train.steps=3", "--set", "train.compile=true", "--set", f"train.compile_mode={mode}",
+               env=_env(COMERA_COMPILE_BACKEND=backend), timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "torch.compile (aot_eager): engine compiled = True" in p.stderr
+    assert f"torch.compile ({backend}, mode {mode}): engine compiled = True" in p.stderr
     tag = "step00000003"
     eager = torch.load(run_dir / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     compiled = torch.load(out / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert compiled.keys() == eager.keys()
     for name, t in eager.items():
-        torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=1e-6, msg=name)
+        # A key bias shifts every logit of a query's row by the same amount: softmax cancels it, so its
+        # gradient is rounding noise, which Adam scales up to steps of about lr. Fused kernels round
+        # differently (1.3e-6 measured after 3 steps); every other tensor agrees to 1e-6.
+        atol = 1e-5 if name.endswith("attn.key.bias") else 1e-6
+        torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=atol, msg=name)

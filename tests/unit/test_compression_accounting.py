@@ -111,3 +111,58 @@ def test_core_params_rejects_bad_ranks():
     with pytest.raises(ValueError, match=r"2 cores need 1 ranks, got \[1, 1\]"):
         core_params(shapes, [1, 1])
     assert math.isinf(compression_report(nn.Linear(2, 2))["compression_ratio_tensorized"])
+
+
+def _random_gates(m: nn.Module, seed: int) -> None:
+    """Gates with some entries at or below tau, so every bond's count differs from its size."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in (m.lin, m.emb):
+            for gate in layer.gates:
+                gate.copy_(torch.rand(gate.shape, generator=g))
+                gate[0] = 0.0
+
+
+def test_size_counter_equals_model_size_as_gates_move_and_after_a_prune():
+    """One counter, built once, follows the gate values of later steps (it holds the parameters, not
+    their values); a prune changes shapes, and a counter built for the new shapes agrees again."""
+    from comera_dist.compression.accounting import SizeCounter
+    from comera_dist.compression.pruning import apply_plan, make_plan
+
+    m = _small()
+    m.lin.tau.fill_(0.3)  # layers with their own thresholds
+    counter = SizeCounter(m)
+    assert int(counter()) == model_size(m) == 50 + 64
+    for seed in range(4):
+        _random_gates(m, seed)
+        got = counter()
+        assert got.dtype == torch.int64 and got.dim() == 0
+        assert int(got) == model_size(m), seed
+    apply_plan(m, make_plan(m))
+    assert int(SizeCounter(m)()) == model_size(m)
+
+
+def test_size_counter_counts_working_bf16_gates_and_costs_a_fixed_handful_of_ops():
+    from comera_dist.bench.ops import OpCounter
+    from comera_dist.compression.accounting import SizeCounter
+
+    m = _small()
+    m.more = nn.ModuleList(TTLinear(8, 6, in_modes=[2, 4], out_modes=[3, 2], ranks=[1, 2, 3, 2, 1]) for _ in range(20))
+    _random_gates(m, 7)
+    m.to(torch.bfloat16)
+    counter = SizeCounter(m)
+    with OpCounter() as ops:
+        got = counter()
+    assert int(got) == model_size(m)
+    # 22 layers, 64 gates in 3 lengths: a per-class count, not ops per layer or per gate
+    assert sum(ops.ops.values()) <= 40 and not ops.syncs, ops.ops
+
+
+def test_size_counter_refuses_a_partitioned_gate():
+    from comera_dist.compression.accounting import SizeCounter
+
+    m = _small()
+    counter = SizeCounter(m)
+    _partition_like_zero3(m.lin.gates[2])
+    with pytest.raises(ValueError, match=r"gate 2 holds 0 of 2 entries .*gather the gates"):
+        counter()

@@ -174,7 +174,10 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
 
 
 def command(name: str, cfg: dict[str, Any], stem: str | None = None) -> str:
-    """The command line that reproduces a result, from the settings it recorded."""
+    """The command line that reproduces a result: the one it recorded (``bench_command``), else one
+    rebuilt from the settings it recorded."""
+    if cfg.get("bench_command"):
+        return cfg["bench_command"]
     parts = [f"python -m comera_dist.bench {name} --json docs/bench/{stem or name}.json"]
     for key, flag in (("steps", "--steps"), ("batch_size", "--batch-size"), ("keep", "--keep"),
                       ("eval_every", "--eval-every"), ("eval_batches", "--eval-batches"), ("threads", "--threads")):

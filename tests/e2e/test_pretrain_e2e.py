@@ -216,6 +216,37 @@ def test_bad_data_input_exit_2_nothing_written(tmp_path):
     assert not out.exists()
 
 
+PRUNING_RUN = ("--set", "train.steps=6", "--set", "comera.controller.late_stage_step=2",
+               "--set", "comera.controller.tau=0.97", "--set", "comera.lr.gates=0.02",
+               "--set", "comera.controller.target_loss=3.0")
+"""tiny-cpu with gates that die within 3 steps (as ``launch/gpu_check.sh`` sets them), so the prune at
+step 3 really slices ranks and rebuilds the engine."""
+
+
+def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_path):
+    """A prune changes the shapes: the rebuilt engine is compiled again (a second trace, the
+    re-capture point of CUDA graphs) and the compiled run still trains exactly as the eager one."""
+    runs = {}
+    for name, extra in (("eager", ()), ("compiled", ("--set", "train.compile=true"))):
+        out = tmp_path / name
+        p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
+                   *PRUNING_RUN, *extra, env=_env(COMERA_COMPILE_BACKEND="aot_eager"), timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+        runs[name] = (out, p.stderr)
+    log = runs["compiled"][1]
+    assert "step 3: physical prune, engine rebuilt" in log
+    assert log.count("torch.compile (aot_eager, mode default): engine compiled = True") >= 2  # start, after the prune
+    assert "physical prune" in runs["eager"][1] and "torch.compile" not in runs["eager"][1]
+    tag = "step00000006"
+    eager = torch.load(runs["eager"][0] / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    compiled = torch.load(runs["compiled"][0] / "checkpoints" / tag / "mp_rank_00_model_states.pt",
+                          weights_only=False)["module"]
+    assert compiled.keys() == eager.keys()
+    for name, t in eager.items():
+        assert compiled[name].shape == t.shape, name  # the same ranks were pruned
+        torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("backend,mode", [("aot_eager", "default"), ("inductor", "reduce-overhead")])
 def test_compiled_step_matches_eager(run_dir, tmp_path, backend, mode):
     """``train.compile: true`` (torch.compile of the forward inside the engine) trains the same

@@ -124,8 +124,9 @@ def aten_ops(step: Callable[[], Any]) -> int:
     return sum(counter.ops.values())
 
 
-def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """The bare CoMERA step of ``cfg``'s model at the trainer's micro-batch (see the module docstring)."""
+def bare_contender(cfg, device: torch.device, *, capturable: bool = False):
+    """The bare CoMERA step of ``cfg``'s model (see the module docstring) as a ``six_encoder.Contender``;
+    ``capturable``: the AdamW keeps its step counts on the device (``bench.graphed``)."""
     from comera_dist.bench.six_encoder import ADAMW, Contender
     from comera_dist.compression.accounting import model_size
     from comera_dist.compression.controller import RankController
@@ -136,7 +137,7 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
     torch.manual_seed(cfg.train.seed)
     model = build_run_model(cfg).to(device)
     lr = cfg.comera.lr
-    opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, **ADAMW)
+    opt = torch.optim.AdamW(param_groups(model, lr), weight_decay=lr.weight_decay, capturable=capturable, **ADAMW)
     controller = RankController(cfg.comera.controller)
     size = model_size(model)  # host inputs of the late stage; the benchmark stays in the early stage
 
@@ -146,16 +147,36 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
         return controller.objective(out["loss"], rank_penalty(model) if penalty is None else penalty,
                                     global_loss=1.0, global_size=size)
 
-    c = Contender(name="comera", model=model, optimizer=opt, loss=loss,
-                  autocast=AUTOCAST[cfg.deepspeed.precision])
+    return Contender(name="comera", model=model, optimizer=opt, loss=loss, autocast=AUTOCAST[cfg.deepspeed.precision])
+
+
+def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    """The bare CoMERA step of ``cfg``'s model at the trainer's micro-batch (see the module docstring)."""
+    c = bare_contender(cfg, device)
     b, t = cfg.deepspeed.micro_batch_size_per_gpu, cfg.data.seq_len
     batch = random_mlm_batch(cfg.model.vocab_size, b, t, device)
     for _ in range(warmup):
         c.step(batch)
     timed = time_steps(c.train_step, batch, steps)  # a device synchronize around each step
     return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "tokens_per_step": b * t,
-            "params": sum(p.numel() for p in model.parameters()), "profile": top_ops(lambda: c.step(batch)),
+            "params": sum(p.numel() for p in c.model.parameters()), "profile": top_ops(lambda: c.step(batch)),
             "syncs": cuda_syncs(lambda: c.step(batch)), "ops": aten_ops(lambda: c.step(batch))}
+
+
+def graph_rate(cfg, device: torch.device, steps: int) -> dict[str, Any]:
+    """The same bare step captured whole in one CUDA graph (``bench.graphed.GraphedStep``, as ``bench
+    six-encoder``'s graph mode), on a fresh model with a capturable AdamW. A capture that fails (a host
+    sync in the step) is reported with its error instead of ending the run."""
+    from comera_dist.bench.graphed import GraphedStep
+
+    c = bare_contender(cfg, device, capturable=True)
+    batch = random_mlm_batch(cfg.model.vocab_size, cfg.deepspeed.micro_batch_size_per_gpu, cfg.data.seq_len, device)
+    try:
+        graphed = GraphedStep(c.loss, c.optimizer, batch, autocast=c.autocast)  # warm-up steps + capture
+    except Exception as e:  # noqa: BLE001 - the benchmark records why the step cannot be captured
+        return {"step_s": None, "error": f"{type(e).__name__}: {e}"[:500]}
+    timed = time_steps(graphed.step, batch, steps)
+    return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "error": None}
 
 
 def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
@@ -265,6 +286,7 @@ def main(argv: list[str]) -> int:
 
     cfg = load_run_config(config, user_sets)
     bench = bench_rate(cfg, device, steps, args.warmup)
+    graph = graph_rate(cfg, device, steps) if device.type == "cuda" else None
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the bench's model and optimizer are gone: the trainer's engine gets the memory
     with tempfile.TemporaryDirectory(prefix="comera-trainer-rate-") as tmp:
@@ -282,9 +304,15 @@ def main(argv: list[str]) -> int:
                "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
     metrics |= {"ops_per_step_bench": bench["ops"], "ops_per_step_session": session["ops"],
                 "ops_ratio_session_over_bench": session["ops"] / bench["ops"]}
+    if graph is not None and graph["step_s"]:
+        graph_tps = bench["tokens_per_step"] / graph["step_s"]
+        metrics |= {"bench_graph_tokens_per_s": graph_tps,
+                    "trainer_rate_over_bench_graph": trainer["tokens_per_s"] / graph_tps}
     if device.type == "cuda":
         metrics |= {"host_syncs_per_step_bench": bench["syncs"], "host_syncs_per_step_session": session["syncs"]}
     rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},
+            *([{"contender": "bench, one CUDA graph", "tokens_per_s": metrics["bench_graph_tokens_per_s"],
+                "step_s": graph["step_s"]}] if "bench_graph_tokens_per_s" in metrics else []),
             {"contender": "session step (DeepSpeed, fixed batch)", "tokens_per_s": session_tps,
              "step_s": bench["tokens_per_step"] / session_tps},
             {"contender": "trainer (its tokens_per_second)", "tokens_per_s": trainer["tokens_per_s"],
@@ -301,6 +329,7 @@ def main(argv: list[str]) -> int:
         "trainer_tokens_per_second_by_step": {str(k): v for k, v in trainer["per_step"].items()},
         "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
         "profile": {"bench step": bench["profile"], "session step": session["profile"]},
+        "bench_graph_error": None if graph is None else graph["error"],
         "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
     write_result(args.json, "trainer-rate", metrics, rows, result_config)
     return 0

@@ -99,8 +99,17 @@ def _tokenizer_dir(path: Path, cfg: RunConfig) -> Path:
 
 
 def load_run(spec: str | Path) -> LoadedRun:
-    """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights."""
+    """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights.
+
+    The checkpoint's files are verified against its manifest first (sizes and digests, as a resume
+    does): a corrupted or truncated file is an ``InputError`` naming it, never a silently wrong
+    evaluation or export. A run directory whose newest checkpoint is damaged is an error too (no
+    quiet fallback to an older one): pass that older checkpoint's directory explicitly.
+    """
     path = locate(spec)
+    problems = ckpt.check(path)
+    if problems:
+        raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems))
     cfg, meta = _read(path)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_run_model(cfg), plans)

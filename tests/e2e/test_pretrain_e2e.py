@@ -185,6 +185,27 @@ def test_export_round_trips(run_dir, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "tt").iterdir()) == before
 
 
+def test_evaluate_and_export_refuse_a_corrupted_checkpoint(run_dir, corpus, tmp_path, capsys):
+    """A checkpoint file that no longer matches the manifest (one byte flipped in the model shard) stops
+    ``evaluate`` and ``export`` with exit 2 naming the file; nothing is exported."""
+    import shutil
+
+    src = run_dir / "checkpoints" / "step00000006"
+    bad = tmp_path / "checkpoints" / "step00000006"
+    shutil.copytree(src, bad)
+    shard = bad / "mp_rank_00_model_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(bad), "--data", str(corpus))
+    assert rc == 2 and "fails verification" in err and "mp_rank_00_model_states.pt" in err and "digest" in err, err
+    rc, _, err = in_process(capsys, "export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert rc == 2 and "fails verification" in err, err
+    assert not (tmp_path / "out").exists()
+    rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(src), "--data", str(corpus))
+    assert rc == 0, err[-3000:]  # the intact original still evaluates
+
+
 def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     errors = [line for line in p.stderr.splitlines() if line.startswith("comera ")]

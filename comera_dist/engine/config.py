@@ -227,7 +227,7 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
     if section.zero_stage == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = section.stage3_param_persistence_threshold
     if section.precision == "bf16":
-        ds["bf16"] = {"enabled": True}
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": True}  # TrainSession.zero_skips_nonfinite
     sched = section.scheduler
     if sched.kind == "warmup_cosine":
         # WarmupCosineLR scales each param group's own lr, so per-role lrs survive.

@@ -183,6 +183,19 @@ class TrainSession:
         """
         return self.cfg.deepspeed.zero_stage < 3
 
+    @property
+    def zero_skips_nonfinite(self) -> bool:
+        """Whether DeepSpeed's ZeRO 1/2 optimizer skips a step whose gradients are not finite.
+
+        It does (for fp32, and for bf16 with ``bf16.check_grad_overflow``, which the generated config
+        sets): on a non-finite gradient norm it applies nothing, leaves the LR schedule and the moments
+        alone and clears the gradients. A non-finite micro-batch after the first then needs no undo: the
+        session back-propagates NaN for the rest of the step and lets the optimizer skip it. Elsewhere
+        (ZeRO 0: a plain optimizer; ZeRO 3) a forward-only probe of every micro-batch decides first,
+        which costs one extra forward per micro-batch when accumulating.
+        """
+        return self.cfg.deepspeed.zero_stage in (1, 2)
+
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
         return out["loss"]
@@ -228,23 +241,32 @@ class TrainSession:
                              f"{self.accumulation} (deepspeed.gradient_accumulation_steps)")
         self.engine.train()
         micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
-        if len(micro_batches) > 1 and not self._all_finite(micro_batches):
+        if len(micro_batches) > 1 and not self.zero_skips_nonfinite and not self._all_finite(micro_batches):
             return self._skipped()
         size = self._size_tensor()  # 0-d, on the device: read back together with the first loss
         losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
+        poisoned = False
         for i, batch in enumerate(micro_batches):
             task = self._forward_loss(batch)
             # The step's one host read before backward: the skip and the controller's lambda need it.
             global_loss, global_size = self._global_mean(task, size)
-            if not math.isfinite(global_loss):
-                if i == 0:
-                    return self._skipped()  # nothing was back-propagated yet: the engine is untouched
-                # Earlier micro-batches already put their gradients into DeepSpeed's buffers; returning
-                # would leave them half accumulated for the next step. The probe replays the same RNG,
-                # so only a non-deterministic forward gets here: stop with the cause, not corrupt state.
+            if not math.isfinite(global_loss) and i == 0:
+                return self._skipped()  # nothing was back-propagated yet: the engine is untouched
+            if not math.isfinite(global_loss) and not self.zero_skips_nonfinite:
+                # Earlier micro-batches already put their gradients into the engine; returning would
+                # leave them half accumulated for the next step. The probe replays the same RNG, so
+                # only a non-deterministic forward gets here: stop with the cause, not corrupt state.
                 raise RuntimeError(f"micro-batch {i} gave a non-finite loss in the real pass although the "
                                    "finite-probe found every micro-batch finite (a non-deterministic "
                                    "forward?); the step's accumulation cannot be undone")
+            if poisoned or not math.isfinite(global_loss):
+                # The rest of the step back-propagates NaN: the ZeRO optimizer finds the gradient norm
+                # non-finite at the boundary, skips the update (weights, moments, LR schedule) and
+                # clears the gradients, earlier micro-batches' included.
+                poisoned = True
+                self.engine.backward(task * float("nan"))
+                self.engine.step()
+                continue
             if i == 0 and self.penalty.active:
                 self.controller.advance(self.steps_done + 1, global_loss, round(global_size))
             proxy = None
@@ -267,6 +289,11 @@ class TrainSession:
             if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
                 self.penalty.inject(coef)
             self.engine.step()
+        if poisoned:
+            if self.engine.was_step_applied():  # a finite norm from NaN gradients: DeepSpeed changed its check
+                raise RuntimeError("a micro-batch of this step had a non-finite loss, but DeepSpeed applied the "
+                                   "step instead of skipping it; the weights may be corrupt")
+            return self._skipped()
         self.steps_done += 1
         objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)
         return StepOutput(loss=objective_mean, task_loss=sum(losses) / len(losses), penalty=penalty,

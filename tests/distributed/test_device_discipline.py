@@ -80,8 +80,9 @@ def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path)
     for rank, r in enumerate(results):
         assert r["violations"] == [], f"rank {rank}: " + "\n".join(r["violations"][:10])
         assert r["pruned"] == 1 and r["dims"][BOND] < 4, r  # the rebuild path ran
-        # probe + real pass for 3 steps x 2 micro-batches, and 2 evaluation batches
-        assert r["forwards"] >= 3 * 2 * 2 + 2
+        # one forward per micro-batch for 3 steps x 2 micro-batches (no finite-probe at ZeRO 1: DeepSpeed
+        # skips a non-finite step itself), and 2 evaluation batches
+        assert r["forwards"] == 3 * 2 + 2
         assert r["collectives"] > 0 and r["agreed"] is False and r["peak"] > 0
         assert all(math.isfinite(v) for v in r["losses"]) and math.isfinite(r["val"][0])
         assert r["dtypes"] == {(torch.bfloat16, torch.float32)}  # bf16 working gates, fp32 masters

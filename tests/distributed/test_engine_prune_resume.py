@@ -110,10 +110,13 @@ def test_prune_and_rebuild_zero1_zero3(short_runs):
 
 
 def _poison(module, rank: int, armed: dict) -> None:
-    """Rank 0's loss becomes NaN while ``armed["on"]``: only the all-reduce tells rank 1."""
+    """Rank 0's loss becomes NaN while ``armed["on"]``: only the all-reduce tells rank 1. With
+    ``armed["from"] = k`` only the k-th and later forwards since arming are poisoned (a later micro-batch)."""
     def hook(_mod, _args, out):
-        if armed["on"] and rank == 0:
-            out["loss"] = out["loss"] * float("nan")
+        if armed["on"]:
+            armed["calls"] = armed.get("calls", 0) + 1
+            if rank == 0 and armed["calls"] > armed.get("from", 0):
+                out["loss"] = out["loss"] * float("nan")
         return out
     module.register_forward_hook(hook)
 
@@ -140,6 +143,28 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
                               "counts": (steps_before, steps_after_skip, optimizer_step_count(s.engine)),
                               "total": s.nonfinite_total}
         s.engine.destroy()
+    # Only the second micro-batch is NaN: the first is already back-propagated into ZeRO's buffers when
+    # the all-reduce reports it, so the session poisons the rest and DeepSpeed skips the step.
+    for stage, precision in ((1, "fp32"), (2, "bf16")):
+        cfg = tiny_config(f"{outdir}/late{stage}", zero_stage=stage, accumulation=2, precision=precision,
+                          scheduler={"kind": "warmup_decay", "warmup_steps": 3})
+        s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+        armed = {"on": False, "from": 1}
+        _poison(s.module, rank, armed)
+        s.train_step([batch(1, rank, m) for m in range(2)])
+        before, steps_before = full_params(s), optimizer_step_count(s.engine)
+        lrs_before = [g["lr"] for g in s.engine.optimizer.param_groups]
+        armed["on"] = True
+        skipped = s.train_step([batch(2, rank, m) for m in range(2)])
+        armed["on"] = False
+        out[f"late{stage}"] = {
+            "skipped": skipped.skipped_nonfinite, "calls": armed["calls"],
+            "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items()),
+            "lrs": (lrs_before, [g["lr"] for g in s.engine.optimizer.param_groups]),
+            "ds_skipped": s.engine.skipped_steps, "steps": (steps_before, optimizer_step_count(s.engine)),
+            "good": s.train_step([batch(3, rank, m) for m in range(2)]), "total": s.nonfinite_total,
+            "after_good": optimizer_step_count(s.engine)}
+        s.engine.destroy()
     cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6, prune_every=4,
                       scheduler={"kind": "warmup_decay", "warmup_steps": 3})
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
@@ -163,8 +188,9 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
 
 
 def test_nonfinite_skip_schedule_bf16(short_runs):
-    """A NaN loss on one rank skips the step on both (ZeRO 0; ZeRO 2 with accumulation); LR warmup
-    per role; bf16 at ZeRO 2."""
+    """A NaN loss on one rank skips the step on both (ZeRO 0; ZeRO 2 with accumulation; ZeRO 1 and 2
+    with the NaN in a later micro-batch, skipped by DeepSpeed's overflow check); LR warmup per role;
+    bf16 at ZeRO 2."""
     results = short_runs
     for rank in (0, 1):
         r = results[rank]
@@ -175,6 +201,13 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
             assert math.isfinite(case["good"].task_loss)
             before, after_skip, after_good = case["counts"]
             assert before == after_skip == 1 and after_good == 2  # the optimizer never ran on the NaN step
+        for key in ("late1", "late2"):  # ZeRO 1 fp32 and ZeRO 2 bf16, the NaN in the second micro-batch
+            case = r[key]
+            assert case["skipped"] and case["calls"] == 2, key  # one forward per micro-batch: no probe
+            assert case["ds_skipped"] == 1, key  # DeepSpeed's own overflow skip did it
+            assert case["unchanged"] and case["lrs"][0] == case["lrs"][1], key  # weights and LR untouched
+            assert case["steps"] == (1, 1) and case["after_good"] == 2, key  # the moments too
+            assert case["total"] == 1 and not case["good"].skipped_nonfinite and math.isfinite(case["good"].task_loss)
         bf16 = r["bf16"]
         assert bf16["dtype"] == "torch.bfloat16" and all(math.isfinite(v) for v in bf16["losses"])
         # linear warmup over 3 steps (DeepSpeed counts from 0), each role at its own peak lr

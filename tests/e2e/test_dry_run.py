@@ -40,7 +40,7 @@ def test_dry_run_resolves_deepspeed_for_world_size(capsys):
     ds = s["deepspeed"]
     assert ds["train_batch_size"] == 256 and ds["train_micro_batch_size_per_gpu"] == 32
     assert ds["gradient_accumulation_steps"] == 1
-    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert ds["optimizer"]["params"]["torch_adam"] is True
     # Same config on 2 ranks: the accumulation absorbs the difference.
     assert _dry_run(capsys, "--world-size", "2")["deepspeed"]["gradient_accumulation_steps"] == 4

@@ -27,7 +27,7 @@ def test_fp16_is_refused_naming_the_key():
         DeepSpeedSection(micro_batch_size_per_gpu=2, precision="fp16")
 
 
-@pytest.mark.parametrize("precision,expected", [("fp32", None), ("bf16", {"enabled": True})])
+@pytest.mark.parametrize("precision,expected", [("fp32", None), ("bf16", {"enabled": True, "check_grad_overflow": True})])
 def test_deepspeed_json_has_no_fp16_section(precision, expected):
     cfg = build_run_config(RUN | {"deepspeed": {"micro_batch_size_per_gpu": 2, "precision": precision, "zero_stage": 1}})
     ds = to_deepspeed_dict(cfg.deepspeed, 2, total_steps=4, group_lrs=[1e-3])

@@ -71,7 +71,7 @@ def test_deepspeed_json_is_generated():
     section = DeepSpeedSection(zero_stage=3, micro_batch_size_per_gpu=2, precision="bf16",
                                stage3_param_persistence_threshold=0)
     ds = to_deepspeed_dict(section, 2, total_steps=10, group_lrs=[1e-4, 1e-3], weight_decay=0.0)
-    assert ds["train_batch_size"] == 4 and ds["bf16"] == {"enabled": True}
+    assert ds["train_batch_size"] == 4 and ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["weight_decay"] == 0.0
     assert ds["scheduler"]["params"]["warmup_max_lr"] == [1e-4, 1e-3]
     assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}

@@ -231,8 +231,10 @@ class TrainSession:
     def train_step(self, micro_batches: Sequence[Batch] | Batch) -> StepOutput:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
 
-        A non-finite global loss skips the whole step (no backward, no optimizer update) and
-        counts it; lambda and stage switches are decided from the all-reduced loss and size.
+        A non-finite global loss skips the whole step (no optimizer update, no LR step) and counts
+        it: before any backward when it is the first micro-batch's (or the probe's, at ZeRO 0/3), else
+        by DeepSpeed's overflow skip (``zero_skips_nonfinite``). Lambda and stage switches are decided
+        from the all-reduced loss and size.
         """
         if isinstance(micro_batches, Mapping):
             micro_batches = [micro_batches]

@@ -185,16 +185,16 @@ class TrainSession:
 
     @property
     def zero_skips_nonfinite(self) -> bool:
-        """Whether DeepSpeed's ZeRO 1/2 optimizer skips a step whose gradients are not finite.
+        """Whether DeepSpeed's ZeRO optimizer (stages 1-3) skips a step whose gradients are not finite.
 
         It does (for fp32, and for bf16 with ``bf16.check_grad_overflow``, which the generated config
         sets): on a non-finite gradient norm it applies nothing, leaves the LR schedule and the moments
         alone and clears the gradients. A non-finite micro-batch after the first then needs no undo: the
         session back-propagates NaN for the rest of the step and lets the optimizer skip it. Elsewhere
-        (ZeRO 0: a plain optimizer; ZeRO 3) a forward-only probe of every micro-batch decides first,
-        which costs one extra forward per micro-batch when accumulating.
+        (ZeRO 0: a plain optimizer, no such check) a forward-only probe of every micro-batch decides
+        first, which costs one extra forward per micro-batch when accumulating.
         """
-        return self.cfg.deepspeed.zero_stage in (1, 2)
+        return self.cfg.deepspeed.zero_stage >= 1
 
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
@@ -232,7 +232,7 @@ class TrainSession:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
 
         A non-finite global loss skips the whole step (no optimizer update, no LR step) and counts
-        it: before any backward when it is the first micro-batch's (or the probe's, at ZeRO 0/3), else
+        it: before any backward when it is the first micro-batch's (or the probe's, at ZeRO 0), else
         by DeepSpeed's overflow skip (``zero_skips_nonfinite``). Lambda and stage switches are decided
         from the all-reduced loss and size.
         """

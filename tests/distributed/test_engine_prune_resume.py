@@ -145,7 +145,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
         s.engine.destroy()
     # Only the second micro-batch is NaN: the first is already back-propagated into ZeRO's buffers when
     # the all-reduce reports it, so the session poisons the rest and DeepSpeed skips the step.
-    for stage, precision in ((1, "fp32"), (2, "bf16")):
+    for stage, precision in ((1, "fp32"), (2, "bf16"), (3, "bf16")):
         cfg = tiny_config(f"{outdir}/late{stage}", zero_stage=stage, accumulation=2, precision=precision,
                           scheduler={"kind": "warmup_decay", "warmup_steps": 3})
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
@@ -188,7 +188,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
 
 
 def test_nonfinite_skip_schedule_bf16(short_runs):
-    """A NaN loss on one rank skips the step on both (ZeRO 0; ZeRO 2 with accumulation; ZeRO 1 and 2
+    """A NaN loss on one rank skips the step on both (ZeRO 0; ZeRO 2 with accumulation; ZeRO 1, 2 and 3
     with the NaN in a later micro-batch, skipped by DeepSpeed's overflow check); LR warmup per role;
     bf16 at ZeRO 2."""
     results = short_runs
@@ -201,7 +201,7 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
             assert math.isfinite(case["good"].task_loss)
             before, after_skip, after_good = case["counts"]
             assert before == after_skip == 1 and after_good == 2  # the optimizer never ran on the NaN step
-        for key in ("late1", "late2"):  # ZeRO 1 fp32 and ZeRO 2 bf16, the NaN in the second micro-batch
+        for key in ("late1", "late2", "late3"):  # ZeRO 1 fp32, ZeRO 2 and 3 bf16; the NaN in the 2nd micro-batch
             case = r[key]
             assert case["skipped"] and case["calls"] == 2, key  # one forward per micro-batch: no probe
             assert case["ds_skipped"] == 1, key  # DeepSpeed's own overflow skip did it

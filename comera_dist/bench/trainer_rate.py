@@ -116,12 +116,10 @@ def cuda_syncs(step: Callable[[], Any]) -> int | None:
 
 
 def aten_ops(step: Callable[[], Any]) -> int:
-    """aten ops dispatched by one ``step`` (``bench.ops.OpCounter``: views included), on any device."""
-    from comera_dist.bench.ops import OpCounter
+    """aten ops dispatched by one ``step`` (``bench.ops.count_step``: views included), on any device."""
+    from comera_dist.bench.ops import count_step
 
-    with OpCounter() as counter:
-        step()
-    return sum(counter.ops.values())
+    return sum(count_step(step, warmup=0).ops.values())
 
 
 def bare_contender(cfg, device: torch.device, *, capturable: bool = False):

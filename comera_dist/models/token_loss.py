@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+"""Label of positions that carry no loss (``F.cross_entropy``'s default ``ignore_index``); the same value as
+``data.collators.IGNORE_INDEX``, which writes it (models and data may not import each other)."""
 BLOCK_ELEMENTS = 1 << 24
 """fp32 elements upcast at once (64 MiB): the rows per block are this over the vocabulary size."""
 

@@ -77,58 +77,60 @@ class SizeCounter:
     """S of ``model`` at its current shapes, as a 0-d int64 device tensor, in a fixed handful of ops.
 
     Walking every layer and bond costs about ten ops per core (1,794 per step on the six-encoder
-    MLM). The counter groups the gates by length once; a call is then one stacked ``g > tau`` count
-    per gate length, and ``S = sum_t A[i_t] * A[j_t] * c_t`` over the cores (``A``: every gate's active
-    rank, then a 1; ``a_{k-1} * prod(modes_k) * a_k`` with the fixed boundary ranks folded into
-    ``c_t``). The index plan lives on the gates' device, so a call reads nothing back and copies
-    nothing to the device. Build a new counter when shapes change (a prune rebuilds the module).
-    Under ZeRO-3 call it inside ``GatheredParameters`` over the gates, like ``model_size``.
+    MLM). A call here is one ``g > tau`` over every layer's gate vector end to end, one
+    ``index_add`` of the survivors into per-bond counts ``A`` (then a 1), and
+    ``S = sum_t A[i_t] * A[j_t] * c_t`` over the cores (``a_{k-1} * prod(modes_k) * a_k`` with the
+    fixed boundary ranks folded into ``c_t``). The index plan is built once and lives on the gates'
+    device, so a call reads nothing back and copies nothing to the device. Build a new counter when
+    shapes change (a prune rebuilds the module). Under ZeRO-3 call it inside ``GatheredParameters``
+    over the gates, like ``model_size``.
     """
 
     def __init__(self, model: nn.Module, shape_of: ShapeOf = default_shape_of) -> None:
-        layers = [layer for _, layer in tensorized_modules(model)]
-        if not layers:
+        self.layers = [layer for _, layer in tensorized_modules(model)]
+        if not self.layers:
             raise ValueError(f"SizeCounter: {type(model).__name__} has no tensorized layer")
         self.shape_of = shape_of
-        self.gates = [(layer, k, g) for layer in layers for k, g in enumerate(layer.gates)]
-        classes: dict[tuple, list[int]] = {}  # gate length, dtype, device -> positions in self.gates
-        for i, (_, _, g) in enumerate(self.gates):
-            classes.setdefault((shape_of(g)[0], g.dtype, g.device), []).append(i)
-        self.classes = list(classes.values())
-        where = {i: p for p, i in enumerate(i for idx in self.classes for i in idx)}  # position in A
-        one = len(self.gates)  # A's last entry, the constant 1
+        bond_of: list[int] = []  # per gate entry: its bond's position in A
+        layer_of: list[int] = []  # per gate entry: its layer's position in self.layers
         rows: list[tuple[int, int, int]] = []  # (i, j, c) per core
-        first = 0  # the layer's first gate in self.gates
-        for layer in layers:
+        first = 0  # the layer's first bond in A
+        bonds = sum(len(layer.bond_dims()) for layer in self.layers)  # A's last entry, the constant 1
+        for n, layer in enumerate(self.layers):
+            for k, r in enumerate(layer.bond_dims()):
+                bond_of += [first + k] * r
+                layer_of += [n] * r
             shapes = [tuple(shape_of(c)) for c in layer.cores]
             for k, s in enumerate(shapes):
                 c = math.prod(s[1:-1]) * (s[0] if k == 0 else 1) * (s[-1] if k == len(shapes) - 1 else 1)
-                rows.append((one if k == 0 else where[first + k - 1],
-                             one if k == len(shapes) - 1 else where[first + k], c))
+                rows.append((bonds if k == 0 else first + k - 1, bonds if k == len(shapes) - 1 else first + k, c))
             first += len(shapes) - 1
-        device = layers[0].cores[0].device
+        device = self.layers[0].cores[0].device
         self.i, self.j, self.c = torch.tensor(rows, dtype=torch.int64, device=device).T.contiguous()  # (cores,) each
-        self.one = torch.ones(1, dtype=torch.int64, device=device)
+        self.bond_of = torch.tensor(bond_of, dtype=torch.int64, device=device)  # (entries,)
+        self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=device)  # (entries,)
+        self.base = torch.zeros(bonds + 1, dtype=torch.int64, device=device)
+        self.base[-1] = 1
+        self.with_gates = [layer for layer in self.layers if layer.bond_dims()]
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
-        for layer, _, g in self.gates:
-            if g.numel() != math.prod(self.shape_of(g)):
+        for layer in self.with_gates:
+            if layer.gate.numel() != math.prod(self.shape_of(layer.gate)):
                 _check_full_gates(layer, self.shape_of)  # raises, naming the gate
-        counts = []
-        for idx in self.classes:
-            g = torch.stack([self.gates[i][2] for i in idx])  # (n, r) gates of one length
-            tau = torch.stack([self.gates[i][0].tau for i in idx]).unsqueeze(1)  # (n, 1): the 0-d fp32 buffers
-            counts.append(gate_alive(g, tau).sum(1))  # (n,) active ranks
-        a = torch.cat([*counts, self.one])  # (gates + 1,)
+        a = self.base
+        if self.with_gates:
+            g = torch.cat([layer.gate for layer in self.with_gates])  # (entries,) every layer's gates
+            tau = torch.stack([layer.tau for layer in self.layers])[self.layer_of]  # (entries,) fp32
+            a = a.index_add(0, self.bond_of, gate_alive(g, tau).to(torch.int64))  # (bonds + 1,) active ranks, 1
         return (a[self.i] * a[self.j] * self.c).sum()
 
 
 def _check_full_gates(layer: nn.Module, shape_of: ShapeOf) -> None:
-    for k, g in enumerate(layer.gates):
-        if g.numel() != math.prod(shape_of(g)):
-            raise ValueError(f"active ranks need full gate values but gate {k} holds {g.numel()} of "
-                             f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
+    g = layer.gate
+    if g.numel() != math.prod(shape_of(g)):
+        raise ValueError(f"active ranks need full gate values but the gate vector holds {g.numel()} of "
+                         f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
 
 
 def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> dict[str, Any]:
@@ -149,8 +151,8 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
     for name, layer in tensorized_modules(model):
         shapes = [tuple(shape_of(c)) for c in layer.cores]
         ranks = active_ranks(layer, shape_of)
-        role_ids.update(id(p) for p in (*layer.cores, *layer.gates))
-        gate_params += sum(math.prod(shape_of(g)) for g in layer.gates)
+        role_ids.update(id(p) for p in (*layer.cores, layer.gate))
+        gate_params += math.prod(shape_of(layer.gate))
         rows[name] = {
             "kind": type(layer).__name__,
             "dense_params": int(layer.dense_param_count()),

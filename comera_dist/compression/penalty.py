@@ -22,15 +22,15 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
                        working_dtype: torch.dtype | None = None) -> Tensor:
     """R from explicit gate vectors (e.g. gathered from ZeRO-3 partitions by the engine).
 
-    gates: one 1-D tensor per interior bond (any layers, any order); taus: one threshold per
-    gate vector, or a single threshold for all. Returns a 0-d tensor, differentiable w.r.t.
+    gates: 1-D gate tensors, a bond's or a layer's whole gate vector (any layers, any order); taus:
+    one threshold per gate tensor, or a single threshold for all. Returns a 0-d tensor, differentiable w.r.t.
     the gates. With no surviving gate at all R is 0 (still attached to the graph).
     ``working_dtype``: the gates are fp32 masters of working gates of that dtype; the surviving
     set is decided on the working values (``layers.base.gate_alive``), as the forward decides it.
     The arithmetic (sums, count) is in fp32 or wider whatever the gates' dtype.
 
-    Gates of one length (and dtype, device) are stacked and thresholded together: a handful of
-    ops per length instead of several per gate (a six-encoder has 183 gates of 2 lengths).
+    Gate tensors of one length (and dtype, device) are stacked and thresholded together: a handful
+    of ops per length instead of several per tensor.
     No host reads: tensor thresholds stay on the device.
     """
     if len(gates) == 0:
@@ -62,8 +62,9 @@ def rank_penalty(model: nn.Module) -> Tensor:
     gates: list[Tensor] = []
     taus: list[Tensor] = []
     for _, layer in tensorized_modules(model):
-        gates.extend(layer.gates)
-        taus.extend([layer.tau] * len(layer.gates))
+        if layer.bond_dims():  # the whole gate vector: R counts entries, so bonds need not be split
+            gates.append(layer.gate)
+            taus.append(layer.tau)
     if not gates:
         raise ValueError(f"rank_penalty: {type(model).__name__} has no tensorized layer with gates")
     return penalty_from_gates(gates, taus)

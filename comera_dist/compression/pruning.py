@@ -171,14 +171,13 @@ def apply_plan(model: nn.Module, plan: PruningPlan, optimizer: torch.optim.Optim
         if not bonds:
             continue
         layer = layers[name]
-        device = layer.gates[0].device
+        device = layer.gate.device
         index = {b: torch.tensor(idx, dtype=torch.long, device=device) for b, idx in bonds.items()}
-        old_cores, old_gates = list(layer.cores), list(layer.gates)
+        old_cores, old_gate, gate_keep = list(layer.cores), layer.gate, layer.gate_index(index)
         layer.prune_(index)
         for j, (old, new) in enumerate(zip(old_cores, layer.cores)):
             replaced.append((old, new, _core_slicer(index.get(j - 1), index.get(j))))
-        for k, (old, new) in enumerate(zip(old_gates, layer.gates)):
-            replaced.append((old, new, _core_slicer(index.get(k), None)))
+        replaced.append((old_gate, layer.gate, _core_slicer(gate_keep, None)))
     for old, new, slicer in replaced:
         if new is not old and tuple(new.shape) != tuple(slicer(old.detach()).shape):
             raise RuntimeError(f"apply_plan: prune_ produced shape {tuple(new.shape)}, expected "

@@ -48,18 +48,17 @@ from comera_dist.engine.device import accelerator_device
 
 @dataclass(frozen=True, slots=True)
 class GateRef:
-    """One gate vector of one tensorized layer."""
+    """The gate vector of one tensorized layer (every interior bond's gates end to end)."""
 
     layer: str
-    bond: int
     param: nn.Parameter
     tau: float
 
 
 def gate_refs(model: nn.Module) -> list[GateRef]:
-    """Every gate parameter of every tensorized layer of ``model``, in module order."""
-    return [GateRef(layer=name, bond=k, param=g, tau=float(layer.tau))
-            for name, layer in tensorized_modules(model) for k, g in enumerate(layer.gates)]
+    """The gate parameter of every tensorized layer of ``model`` that has a bond, in module order."""
+    return [GateRef(layer=name, param=layer.gate, tau=float(layer.tau))
+            for name, layer in tensorized_modules(model) if layer.bond_dims()]
 
 
 def full_shape(p: Tensor) -> tuple[int, ...]:
@@ -155,7 +154,7 @@ class PenaltyHook:
         """
         if not self.active or coef == 0.0 or not math.isfinite(coef):
             return
-        values = [full_fp32(ref.param).requires_grad_(True) for ref in self.gates]  # each (r_k,)
+        values = [full_fp32(ref.param).requires_grad_(True) for ref in self.gates]  # each (sum r_k,)
         penalty = penalty_from_gates(values, [ref.tau for ref in self.gates], working_dtype=self.working_dtype)
         grads = torch.autograd.grad(penalty, values, allow_unused=True)
         for ref, d_r in zip(self.gates, grads):
@@ -164,5 +163,5 @@ class PenaltyHook:
             current = safe_get_full_grad(ref.param)
             if current is None:  # the gate took no part in this step's forward
                 continue
-            update = current.float().reshape(full_shape(ref.param)) + coef * d_r  # (r_k,)
+            update = current.float().reshape(full_shape(ref.param)) + coef * d_r  # (sum r_k,)
             set_full(ref.param, update.to(current.dtype).reshape(current.shape), "grad")

@@ -37,7 +37,7 @@ from comera_dist.engine.device import (
     collective_tensor,
     to_device,
 )
-from comera_dist.engine.hooks import PenaltyHook, full_shape, gate_refs, gathered
+from comera_dist.engine.hooks import PenaltyHook, gate_refs, gathered
 from comera_dist.engine.prune import (
     gather_full_state,
     load_full_state,
@@ -361,7 +361,7 @@ class TrainSession:
 
     def bond_dims(self) -> dict[str, list[int]]:
         """Physical bond sizes per tensorized layer (what pruning shrinks)."""
-        return {name: [full_shape(g)[0] for g in layer.gates] for name, layer in tensorized_modules(self.module)}
+        return {name: layer.bond_dims() for name, layer in tensorized_modules(self.module)}
 
     def maybe_prune(self, step: int) -> bool:
         """At a scheduled step, slice dead ranks out and rebuild the engine; True if shapes changed.

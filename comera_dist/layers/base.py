@@ -1,9 +1,12 @@
 """TensorizedModule: the cores, rank gates, threshold and pruning shared by TT/TTM layers.
 
-Rank adaptation is explicit state: ``cores`` and ``gates`` are ``nn.ParameterList``s, ``tau`` is a
-buffer, so all of it rides in the ``state_dict``. The mask ``m(g) = g * [g > tau]`` is computed in
-every forward and never written back, so pruning by gates is reversible until ``prune_`` slices
-the cores physically.
+Rank adaptation is explicit state: ``cores`` is an ``nn.ParameterList``, ``gate`` one ``nn.Parameter``
+holding every interior bond's gates end to end (``gates`` are its per-bond views), ``tau`` a buffer,
+so all of it rides in the ``state_dict``. One gate parameter per layer instead of one per bond: every
+parameter tensor costs the optimizer, ZeRO's gradient bookkeeping and autograd a fixed handful of ops
+per step whatever its size (a six-encoder has 183 bonds in 37 layers). The mask ``m(g) = g * [g > tau]``
+is computed in every forward and never written back, so pruning by gates is reversible until
+``prune_`` slices the cores physically.
 """
 
 from __future__ import annotations
@@ -64,25 +67,36 @@ class TensorizedModule(nn.Module):
     """Base of ``TTLinear`` and ``TTEmbedding``; subclasses set the cores and the accounting."""
 
     cores: nn.ParameterList
-    gates: nn.ParameterList
+    gate: nn.Parameter
     tau: Tensor
+    _bonds: tuple[int, ...]
 
     def _init_state(self, cores: list[Tensor], tau: float) -> None:
         if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
             raise ValueError(f"tau must be a number > 0 (the gate threshold), got {tau!r}")
         self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
-        self.gates = nn.ParameterList(
-            [nn.Parameter(torch.ones(c.shape[-1], dtype=c.dtype, device=c.device)) for c in cores[:-1]])
+        self._bonds = tuple(int(c.shape[-1]) for c in cores[:-1])
+        self.gate = nn.Parameter(torch.ones(sum(self._bonds), dtype=cores[0].dtype, device=cores[0].device))
         self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
 
     # ---- gates -------------------------------------------------------------------------
 
+    @property
+    def gates(self) -> tuple[Tensor, ...]:
+        """Bond ``k``'s gates ``g_k`` ``(r_k,)``, views of ``gate`` (read or write them in place; the
+        parameter, its ``.grad`` and its optimizer state are ``gate``'s). Needs the full ``gate``: under
+        ZeRO-3 read them inside ``GatheredParameters``."""
+        return self.gate.split(self._bonds) if self._bonds else ()
+
     def masked_gates(self) -> list[Tensor]:
         """``m(g_k) = g_k * [g_k > tau]`` for every interior bond (differentiable in ``g``)."""
-        return self._mask(self.gates)
+        return self._mask(self.gate)
 
-    def _mask(self, gates: Any) -> list[Tensor]:
-        return [g * gate_alive(g, self.tau) for g in gates]  # keeps g's dtype (bf16 stays bf16)
+    def _mask(self, gate: Tensor) -> list[Tensor]:
+        """``gate`` (this layer's whole gate vector) masked once and split into its bonds."""
+        if not self._bonds:
+            return []
+        return list((gate * gate_alive(gate, self.tau)).split(self._bonds))  # keeps g's dtype (bf16 stays bf16)
 
     def ranks(self) -> list[int]:
         """Active rank ``#(g_k > tau)`` of every interior bond (compared in fp32, see ``gate_alive``)."""
@@ -91,9 +105,18 @@ class TensorizedModule(nn.Module):
     def active_ranks(self) -> Tensor:
         """``ranks()`` as one int64 tensor ``(D-1,)`` on the gates' device: no host read, so the
         engine can all-reduce or log it without stalling the GPU (``ranks()`` reads it back once)."""
-        if len(self.gates) == 0:  # a single core: no interior bond
+        if not self._bonds:  # a single core: no interior bond
             return torch.zeros(0, dtype=torch.int64, device=self.tau.device)
-        return torch.stack([gate_alive(g.detach(), self.tau).sum() for g in self.gates])
+        alive = gate_alive(self.gate.detach(), self.tau)  # (sum r_k,)
+        return torch.stack([a.sum() for a in alive.split(self._bonds)])
+
+    def bond_offsets(self) -> list[int]:
+        """Where bond ``k``'s gates start in ``gate``."""
+        out, at = [], 0
+        for r in self._bonds:
+            out.append(at)
+            at += r
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:
         """``.to(dtype)``/``.bfloat16()``/DeepSpeed's bf16 cast move ``tau`` but keep it fp32: the
@@ -106,8 +129,8 @@ class TensorizedModule(nn.Module):
         return out
 
     def bond_dims(self) -> list[int]:
-        """Physical size of every interior bond (what the cores store)."""
-        return [int(g.shape[0]) for g in self.gates]
+        """Physical size of every interior bond (what the cores store; known also under ZeRO-3)."""
+        return list(self._bonds)
 
     def full_ranks(self, active: bool = True) -> list[int]:
         """``[1, r_1, ..., r_{D-1}, 1]`` with active or physical interior ranks."""
@@ -118,15 +141,15 @@ class TensorizedModule(nn.Module):
     @torch.no_grad()
     def prune_(self, kept: dict[int, Tensor]) -> None:
         """Keep only ``kept[k]`` indices of bond ``k``: slices core ``k`` (last dim), core ``k+1``
-        (first dim) and gate ``k``; the new tensors are fresh ``nn.Parameter``s (optimizer state
-        must be rebuilt by the caller, see ``compression.pruning.apply_plan``)."""
+        (first dim) and bond ``k``'s part of ``gate``; the new tensors are fresh ``nn.Parameter``s
+        (optimizer state must be rebuilt by the caller, see ``compression.pruning.apply_plan``)."""
         D = len(self.cores)
         idx: dict[int, Tensor] = {}
         for k, ix in kept.items():
             if not isinstance(k, int) or not 0 <= k < D - 1:
                 raise ValueError(f"kept has bond {k!r}; bonds are 0..{D - 2}")
-            size = self.gates[k].shape[0]
-            ix = torch.as_tensor(ix, dtype=torch.long, device=self.gates[k].device).reshape(-1)
+            size = self._bonds[k]
+            ix = torch.as_tensor(ix, dtype=torch.long, device=self.gate.device).reshape(-1)
             if ix.numel() == 0:
                 raise ValueError(f"kept[{k}] is empty: a bond must keep at least one rank")
             if int(ix.min()) < 0 or int(ix.max()) >= size:
@@ -134,25 +157,46 @@ class TensorizedModule(nn.Module):
             if torch.unique(ix).numel() != ix.numel():
                 raise ValueError(f"kept[{k}]={ix.tolist()} has duplicate indices")
             idx[k] = ix
+        if not idx:
+            return
+        keep = self.gate_index(idx)
         for k, ix in idx.items():
             self.cores[k] = _like(self.cores[k], self.cores[k].index_select(-1, ix))
             self.cores[k + 1] = _like(self.cores[k + 1], self.cores[k + 1].index_select(0, ix))
-            self.gates[k] = _like(self.gates[k], self.gates[k].index_select(0, ix))
+        self.gate = _like(self.gate, self.gate.index_select(0, keep))
+        self._bonds = tuple(int(idx[k].numel()) if k in idx else r for k, r in enumerate(self._bonds))
+
+    def gate_index(self, kept: dict[int, Tensor]) -> Tensor:
+        """Positions in ``gate`` that survive keeping ``kept[k]`` of bond ``k`` (other bonds whole)."""
+        parts = [kept[k] + at if k in kept else torch.arange(at, at + r, device=self.gate.device)
+                 for k, (at, r) in enumerate(zip(self.bond_offsets(), self._bonds))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=self.gate.device)
 
     # ---- state_dict shape check ----------------------------------------------------------
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        for group in ("cores", "gates"):
-            for k, p in enumerate(getattr(self, group)):
-                key = f"{prefix}{group}.{k}"
-                if key in state_dict and tuple(state_dict[key].shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
-                        f"{type(self).__name__} expects {tuple(p.shape)}; a pruned checkpoint needs a "
-                        f"model built with its ranks (ranks={self._ranks_in(state_dict, prefix)})")
+        legacy = [f"{prefix}gates.{k}" for k in range(len(self._bonds))]
+        if f"{prefix}gate" not in state_dict and legacy and all(k in state_dict for k in legacy):
+            # A state_dict from before the single gate vector (one ``gates.k`` Parameter per bond).
+            if self.gate.numel() == sum(self._bonds):  # not a ZeRO-3 partition (whose local tensors are empty)
+                for k, key in enumerate(legacy):
+                    self._check_shape(state_dict, key, (self._bonds[k],), prefix)
+            state_dict[f"{prefix}gate"] = torch.cat([state_dict.pop(key) for key in legacy])
+        # the local shapes: under ZeRO-3 a rank's module tensors and its state_dict's are both empty
+        wanted = {f"{prefix}cores.{k}": tuple(c.shape) for k, c in enumerate(self.cores)}
+        wanted[f"{prefix}gate"] = tuple(self.gate.shape)
+        for key, shape in wanted.items():
+            self._check_shape(state_dict, key, shape, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    def _check_shape(self, state_dict: dict[str, Any], key: str, shape: tuple[int, ...], prefix: str) -> None:
+        if key in state_dict and tuple(state_dict[key].shape) != shape:
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
+                f"{type(self).__name__} expects {shape}; a pruned checkpoint needs a "
+                f"model built with its ranks (ranks={self._ranks_in(state_dict, prefix)})")
 
     def _ranks_in(self, state_dict: dict[str, Any], prefix: str) -> list[int] | str:
         """The rank profile a checkpoint's cores imply (for the error message)."""

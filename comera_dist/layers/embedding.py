@@ -128,8 +128,8 @@ class TTEmbedding(TensorizedModule):
             raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got min {int(flat.min())} "
                              f"max {int(flat.max())}")
         n = len(self.cores)
-        A, B = on_one_thread(lambda *p: contract.ttm_pair_contract(list(p[:n]), self._mask(p[n:])),
-                             *self.cores, *self.gates)  # (M1, N1, r), (r, M2, N2)
+        A, B = on_one_thread(lambda *p: contract.ttm_pair_contract(list(p[:n]), self._mask(p[n])),
+                             *self.cores, self.gate)  # (M1, N1, r), (r, M2, N2)
         rows = dispatch.ttm_lookup(flat, A, B)  # (T, N)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(-1).to(rows.dtype)  # zero rows, zero gradient

@@ -74,19 +74,20 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for group in groups.values():
         if len(group) == 1:
             layer = group[0]
-            out[id(layer)] = on_one_thread(layer._halves, *layer.cores, *layer.gates)
+            out[id(layer)] = on_one_thread(layer._halves, *layer.cores, layer.gate)
             continue
         n, G = len(group[0].cores), len(group)
-        params = [t for layer in group for t in (*layer.cores, *layer.gates, layer.tau)]
-        got = on_one_thread(lambda *p, n=n, G=G, d=group[0].d: _batched(p, n, G, d), *params)  # G L, G R, sum, count
+        params = [t for layer in group for t in (*layer.cores, layer.gate, layer.tau)]
+        shape = (n, G, group[0].d, tuple(group[0].bond_dims()))
+        got = on_one_thread(lambda *p, s=shape: _batched(p, *s), *params)  # G L, G R, sum, count
         for i, layer in enumerate(group):
             out[id(layer)] = (got[i], got[G + i])
         terms.append((got[2 * G], got[2 * G + 1]))
         covered.update(id(layer) for layer in group)
     if not with_penalty:
         return out, None
-    rest = [(g, layer.tau) for layer in module.modules()
-            if isinstance(layer, TensorizedModule) and id(layer) not in covered for g in layer.gates]
+    rest = [(layer.gate, layer.tau) for layer in module.modules()  # whole gate vectors: R is entry-wise
+            if isinstance(layer, TensorizedModule) and id(layer) not in covered and layer.bond_dims()]
     terms += gate_sums([g for g, _ in rest], [tau for _, tau in rest])
     if not terms:
         return out, None
@@ -102,20 +103,17 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int) -> tuple[Tensor, ...]:
+def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int, bonds: tuple[int, ...]) -> tuple[Tensor, ...]:
     """Stack the group's cores/gates/thresholds, mask, contract: ``(*L_i, *R_i, sum m(g), #alive)``."""
-    per = 2 * n  # n cores, n - 1 gates, 1 tau per layer
+    per = n + 2  # n cores, the gate vector, tau per layer
     cores = [torch.stack([params[i * per + k] for i in range(G)]) for k in range(n)]  # (G, r, n_k, r')
-    tau = torch.stack([params[i * per + 2 * n - 1] for i in range(G)]).reshape(G, 1)  # (G, 1)
-    masks, total, count = [], None, None
-    for k in range(n - 1):
-        g = torch.stack([params[i * per + n + k] for i in range(G)])  # (G, r_k)
-        alive = gate_alive(g, tau)  # (G, r_k) bool, the layers' own rule
-        masks.append(g * alive)  # (G, r_k) m(g) = g [g > tau]
-        s = masks[-1].sum(dtype=_acc(g.dtype))  # () penalty numerator part
-        c = alive.sum().to(s.dtype)  # () surviving entries
-        total, count = (s, c) if total is None else (total + s, count + c)
-    L, R = contract.contract_halves_batched(cores, masks, d)  # (G, N_in, r_d), (G, r_d, N_out)
+    g = torch.stack([params[i * per + n] for i in range(G)])  # (G, sum r_k) every bond's gates
+    tau = torch.stack([params[i * per + n + 1] for i in range(G)]).reshape(G, 1)  # (G, 1)
+    alive = gate_alive(g, tau)  # (G, sum r_k) bool, the layers' own rule
+    m = g * alive  # m(g) = g [g > tau]
+    total = m.sum(dtype=_acc(g.dtype))  # () penalty numerator
+    count = alive.sum().to(total.dtype)  # () surviving entries
+    L, R = contract.contract_halves_batched(cores, list(m.split(bonds, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
     return (*L.unbind(0), *R.unbind(0), total, count)
 
 

@@ -136,23 +136,23 @@ class TTLinear(TensorizedModule):
         n = len(self.cores)
         if order == "lr":
             L, R = factors if factors is not None else \
-                on_one_thread(self._halves, *self.cores, *self.gates)  # (N_in, r_d), (r_d, N_out)
+                on_one_thread(self._halves, *self.cores, self.gate)  # (N_in, r_d), (r_d, N_out)
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":
                 y = contract.tt_linear_sequential(x2d, list(self.cores), self.masked_gates(), self.d)  # (T, N_out)
             else:
-                W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n:]), self.d),),
-                                   *self.cores, *self.gates)
+                W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n]), self.d),),
+                                   *self.cores, self.gate)
                 y = x2d @ W  # (T, N_out)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)  # an fp32 bias must not promote a bf16 (autocast) output
         return y.reshape(*lead, self.out_features)
 
     def _halves(self, *params: Tensor) -> tuple[Tensor, Tensor]:
-        """``L`` (middle mask folded in) and ``R`` from cores and gates (the batch-independent part)."""
+        """``L`` (middle mask folded in) and ``R`` from the cores and the gate vector (the batch-independent part)."""
         n, d = len(self.cores), self.d
-        cores, masks = list(params[:n]), self._mask(params[n:])
+        cores, masks = list(params[:n]), self._mask(params[n])
         return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
 
     def chosen_order(self, tokens: int, bytes_per_element: int = 4) -> str:

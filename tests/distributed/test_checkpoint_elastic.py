@@ -38,9 +38,10 @@ def _kill_two_ranks(session) -> None:
 
     from comera_dist.engine.hooks import full_fp32
 
-    gate = dict(session.module.named_parameters())[f"{LAYER}.gates.{BOND}"]
+    layer = dict(session.module.named_modules())[LAYER]
+    gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
     value = full_fp32(gate)
-    value[:2] = -1.0
+    value[at:at + 2] = -1.0
     safe_set_full_fp32_param(gate, value)
 
 

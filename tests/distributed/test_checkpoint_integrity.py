@@ -57,7 +57,7 @@ def _write(rank: int, world_size: int, outdir: str) -> dict:
         out["corrupt_save"] = None
     except CheckpointError as e:
         out["corrupt_save"] = str(e)
-    name, p = next((n, p) for n, p in s.module.named_parameters() if "gates" in n)
+    name, p = next((n, p) for n, p in s.module.named_parameters() if n.endswith(".gate"))
     safe_set_full_fp32_param(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, float("nan")))
     out["nonfinite_save"] = s.save(10)
     out["poisoned"] = name

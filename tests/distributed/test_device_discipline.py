@@ -43,9 +43,10 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
                       precision="bf16")
     with guard.installed(BertMLM):
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-        gate = dict(s.module.named_parameters())[f"{LAYER}.gates.{BOND}"]
+        layer = dict(s.module.named_modules())[LAYER]
+        gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
         value = full_fp32(gate)
-        value[:2] = -1.0  # two dead ranks, so the prune at step 2 really slices and rebuilds
+        value[at:at + 2] = -1.0  # two dead ranks, so the prune at step 2 really slices and rebuilds
         safe_set_full_fp32_param(gate, value)
         losses = []
         for step in (1, 2, 3):
@@ -60,12 +61,12 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
         dims = s.bond_dims()[LAYER]
         disagree, dtypes = [], set()
         for name, layer in tensorized_modules(s.module):
-            for k, g in enumerate(layer.gates):
-                dtypes.add((g.dtype, full_fp32(g).dtype))
-                working = gate_alive(g.detach(), layer.tau)
-                master = gate_alive(full_fp32(g), layer.tau, s.penalty.working_dtype)
-                if not torch.equal(working, master):
-                    disagree.append(f"{name}.gates.{k}")
+            g = layer.gate
+            dtypes.add((g.dtype, full_fp32(g).dtype))
+            working = gate_alive(g.detach(), layer.tau)
+            master = gate_alive(full_fp32(g), layer.tau, s.penalty.working_dtype)
+            if not torch.equal(working, master):
+                disagree.append(f"{name}.gate")
         sizes = (int(s._size_tensor()), s.size())  # the step's sync-free S vs the reporting S
         size_from_masters = sum(int(gate_alive(full_fp32(ref.param), ref.tau, s.penalty.working_dtype).sum())
                                 for ref in s.penalty.gates)

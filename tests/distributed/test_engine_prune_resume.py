@@ -27,11 +27,12 @@ def _kill_two_ranks(session) -> None:
 
     from comera_dist.engine.hooks import full_fp32
 
-    gate = dict(session.module.named_parameters())[f"{LAYER}.gates.{BOND}"]
+    layer = dict(session.module.named_modules())[LAYER]
+    gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
     value = full_fp32(gate)
     # Far below tau: the module weight only follows the master at the next optimizer step, whose
     # (still unmasked) gradient moves these entries by at most ~lr; later steps give them no gradient.
-    value[:2] = -1.0
+    value[at:at + 2] = -1.0
     safe_set_full_fp32_param(gate, value)
 
 
@@ -99,14 +100,14 @@ def test_prune_and_rebuild_zero1_zero3(short_runs):
                     torch.testing.assert_close(new["exp_avg"], m["exp_avg"][:, :, 2:])
                 elif f"{LAYER}.cores.{BOND + 1}" in name:
                     torch.testing.assert_close(new["exp_avg_sq"], m["exp_avg_sq"][2:])
-                elif f"{LAYER}.gates.{BOND}" in name:
-                    torch.testing.assert_close(new["exp_avg"], m["exp_avg"][2:])
+                elif name.endswith(f"{LAYER}.gate"):  # bonds [4, 4, 4] end to end; bond 1 keeps its last two
+                    torch.testing.assert_close(new["exp_avg"], m["exp_avg"][[0, 1, 2, 3, 6, 7, 8, 9, 10, 11]])
                 else:
                     torch.testing.assert_close(new["exp_avg"], m["exp_avg"], rtol=0, atol=0)
             assert torch.isfinite(torch.tensor(r["next"]))
         assert results[0][stage]["next"] == results[1][stage]["next"]
     # ZeRO-3 holds partitions: local shapes are empty while ds_shape carries the pruned sizes
-    assert results[0][3]["local_shapes"][f"{LAYER}.gates.{BOND}"] == (0,)
+    assert results[0][3]["local_shapes"][f"{LAYER}.gate"] == (0,)
 
 
 def _poison(module, rank: int, armed: dict) -> None:

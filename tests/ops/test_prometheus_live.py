@@ -41,7 +41,7 @@ def _train(metrics, model, out_dir, on_phase_end) -> dict:
     x, xv = torch.randn(64, 16), torch.randn(32, 16)  # (N, 16)
     w = torch.randn(16, 8)
     y, yv = x @ w, xv @ w  # (N, 8)
-    gates = [g for _, layer in tensorized_modules(model) for g in layer.gates]
+    gates = [layer.gate for _, layer in tensorized_modules(model)]
     opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if all(p is not g for g in gates)]},
                              {"params": gates, "lr": 0.05}], lr=1e-2, weight_decay=0.0)
     last = {}

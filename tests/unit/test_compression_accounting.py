@@ -98,8 +98,8 @@ def test_partitioned_cores_are_counted_from_ds_shape():
 
 def test_partitioned_gate_is_an_error_not_a_zero_rank():
     m = _small()
-    _partition_like_zero3(m.lin.gates[2])
-    with pytest.raises(ValueError, match=r"gate 2 holds 0 of 2 entries .*gather the gates"):
+    _partition_like_zero3(m.lin.gate)
+    with pytest.raises(ValueError, match=r"gate vector holds 0 of 7 entries .*gather the gates"):
         model_size(m)
 
 
@@ -154,8 +154,8 @@ def test_size_counter_counts_working_bf16_gates_and_costs_a_fixed_handful_of_ops
     with OpCounter() as ops:
         got = counter()
     assert int(got) == model_size(m)
-    # 22 layers, 64 gates in 3 lengths: a per-class count, not ops per layer or per gate
-    assert sum(ops.ops.values()) <= 40 and not ops.syncs, ops.ops
+    # 22 layers, 64 bonds: one count over every gate vector, not ops per layer or per bond
+    assert sum(ops.ops.values()) <= 16 and not ops.syncs, ops.ops
 
 
 def test_size_counter_refuses_a_partitioned_gate():
@@ -163,6 +163,6 @@ def test_size_counter_refuses_a_partitioned_gate():
 
     m = _small()
     counter = SizeCounter(m)
-    _partition_like_zero3(m.lin.gates[2])
-    with pytest.raises(ValueError, match=r"gate 2 holds 0 of 2 entries .*gather the gates"):
+    _partition_like_zero3(m.lin.gate)
+    with pytest.raises(ValueError, match=r"gate vector holds 0 of 7 entries .*gather the gates"):
         counter()

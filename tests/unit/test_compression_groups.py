@@ -38,7 +38,7 @@ def test_groups_by_role_with_documented_lrs():
     assert list(groups) == ["cores", "gates", "dense"]
     ids = {k: {id(p) for p in g["params"]} for k, g in groups.items()}
     assert ids["cores"] == {id(p) for p in model.layernorm.cores}
-    assert ids["gates"] == {id(p) for p in model.layernorm.gates}
+    assert ids["gates"] == {id(model.layernorm.gate)}
     dense = [model.layernorm.bias, model.norm.weight, model.norm.bias, model.head.weight, model.head.bias]
     assert ids["dense"] == {id(p) for p in dense}
     # every trainable parameter exactly once, the frozen one nowhere

@@ -52,7 +52,7 @@ def test_contract_halves_batched_equals_left_and_right():
     masks = [torch.stack([m.masked_gates()[k] for m in layers]) for k in range(n - 1)]
     L, R = contract.contract_halves_batched(cores, masks, d)
     for i, m in enumerate(layers):
-        Li, Ri = m._halves(*m.cores, *m.gates)
+        Li, Ri = m._halves(*m.cores, m.gate)
         torch.testing.assert_close(L[i], Li)
         torch.testing.assert_close(R[i], Ri)
 
@@ -133,7 +133,7 @@ def test_batched_groups_bigger_than_one(G):
                                   for _ in range(G)])
     got = shared_factors(layers)
     for m in layers:
-        L, R = m._halves(*m.cores, *m.gates)
+        L, R = m._halves(*m.cores, m.gate)
         torch.testing.assert_close(got[id(m)][0], L)
         torch.testing.assert_close(got[id(m)][1], R)
 

@@ -105,13 +105,19 @@ def test_gates_mask_without_overwriting():
     layer(x).sum().backward()
     for g, b in zip(layer.gates, before):
         assert torch.equal(g.detach(), b)
-    assert layer.gates[-1].grad[1] == 0 and layer.gates[-1].grad[0] != 0
+    grad = layer.gate.grad.split(layer.bond_dims())[-1]  # the last bond's part of the one gate vector
+    assert grad[1] == 0 and grad[0] != 0
     assert layer.ranks()[-1] == layer.bond_dims()[-1] - 1
     # Raising the gate back above tau restores the rank: masking is reversible.
     with torch.no_grad():
         layer.gates[-1][1] = 1.0
     assert layer.ranks()[-1] == layer.bond_dims()[-1]
-    assert set(layer.state_dict()) >= {"tau", "gates.0", "cores.0", "bias"}
+    assert set(layer.state_dict()) >= {"tau", "gate", "cores.0", "bias"}
+    # one gate parameter for every bond (each parameter tensor costs the optimizer and ZeRO per step)
+    assert [n for n, _ in layer.named_parameters()] == ["gate", "bias", *(f"cores.{k}" for k in range(len(layer.cores)))]
+    assert [tuple(g.shape) for g in layer.gates] == [(r,) for r in layer.bond_dims()]
+    size = layer.gate.element_size()  # the views share the parameter's storage, each at its bond's offset
+    assert all(g.data_ptr() == layer.gate.data_ptr() + size * at for g, at in zip(layer.gates, layer.bond_offsets()))
 
 
 def test_bad_input_names_the_parameter():

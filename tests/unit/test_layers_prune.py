@@ -68,9 +68,26 @@ def test_loading_a_pruned_state_into_the_wrong_shapes_names_key_and_shapes():
         layer.load_state_dict(pruned.state_dict())
     outer = torch.nn.Sequential(TTEmbedding(30, 8, num_cores=2, max_rank=4))
     bad = outer.state_dict()
-    bad["0.gates.0"] = torch.ones(3)
-    with pytest.raises(ValueError, match=r"state_dict\['0.gates.0'\] has shape \(3,\) but this TTEmbedding expects \(4,\)"):
+    bad["0.gate"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"state_dict\['0.gate'\] has shape \(3,\) but this TTEmbedding expects \(4,\)"):
         outer.load_state_dict(bad)
+
+
+def test_a_state_dict_with_one_gate_parameter_per_bond_still_loads():
+    """Checkpoints written before the single gate vector hold ``gates.k`` per bond: they load, in order."""
+    src = TTLinear(24, 30, num_cores=4, max_rank=4)
+    src.prune_({1: torch.tensor([0, 2])})
+    with torch.no_grad():
+        src.gate.copy_(torch.randn(src.gate.shape))
+    old = {k: v for k, v in src.state_dict().items() if k != "gate"}
+    old.update({f"gates.{k}": g.clone() for k, g in enumerate(src.gates)})  # (4,), (2,), (4,)
+    dst = TTLinear(24, 30, num_cores=4, max_rank=4)
+    dst.prune_({1: torch.tensor([0, 1])})
+    dst.load_state_dict(old)
+    assert torch.equal(dst.gate, src.gate) and dst.ranks() == src.ranks()
+    old["gates.1"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"state_dict\['gates.1'\] has shape \(3,\) but this TTLinear expects \(2,\)"):
+        dst.load_state_dict(old)
 
 
 def test_prune_bad_input():

@@ -38,7 +38,7 @@ def test_every_order_matches_the_densified_table_forward_and_backward(num_cores)
     head = _with_bias(TiedTTHead(emb, bias=True))
     h = torch.randn(2, 5, 12, dtype=torch.float64)
     w = torch.randn(2, 5, 61, dtype=torch.float64)
-    params = [*emb.cores, *emb.gates, head.bias]
+    params = [*emb.cores, emb.gate, head.bias]
     h.requires_grad_(True)
     want_out = h @ emb.table().t() + head.bias  # (B, T, V): the densified reference
     want = torch.autograd.grad((want_out * w).sum(), [h, *params])
@@ -53,7 +53,7 @@ def test_every_order_matches_the_densified_table_forward_and_backward(num_cores)
         got = torch.autograd.grad((out * w).sum(), [h, *params])
         for k, (a, b) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, b, msg=f"{order} grad {k}")
-    assert emb.gates[0].grad is None  # autograd.grad so far; now .grad lands on the shared Parameters
+    assert emb.gate.grad is None  # autograd.grad so far; now .grad lands on the shared Parameters
     head.order = "auto"
     (head(h) * w).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (*emb.cores, head.bias))
@@ -65,12 +65,12 @@ def test_gradcheck_float64(num_cores):
     n = len(emb.cores)
     h = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     inputs = (h, *[c.detach().clone().requires_grad_() for c in emb.cores],
-              *[g.detach().clone().requires_grad_() for g in emb.gates])
+              emb.gate.detach().clone().requires_grad_())
     for order in ttm_head_orders(num_cores)[:-1]:  # every split and side (dense is the reference)
         split, side = parse_ttm_head_order(order, num_cores)
 
         def f(x, *p, split=split, side=side):
-            return contract.ttm_head_contract(x, *contract.ttm_head_halves(list(p[:n]), emb._mask(p[n:]), split), side)
+            return contract.ttm_head_contract(x, *contract.ttm_head_halves(list(p[:n]), emb._mask(p[n]), split), side)
 
         assert torch.autograd.gradcheck(f, inputs), order
     head = _with_bias(TiedTTHead(emb, bias=True))
@@ -141,12 +141,11 @@ class _Tied(nn.Module):
 def test_shared_cores_are_counted_sliced_and_optimized_once():
     model = _Tied()
     assert [n for n, _ in tensorized_modules(model)] == ["word"]
-    assert [n for n, _ in model.named_modules()] == ["", "word", "word.cores", "word.gates", "head"]
-    assert set(model.state_dict()) == {*(f"word.cores.{k}" for k in range(3)), *(f"word.gates.{k}" for k in range(2)),
-                                       "word.tau", "head.bias"}
+    assert [n for n, _ in model.named_modules()] == ["", "word", "word.cores", "head"]
+    assert set(model.state_dict()) == {*(f"word.cores.{k}" for k in range(3)), "word.gate", "word.tau", "head.bias"}
     groups = param_groups(model, LrConfig())
     ids = [id(p) for g in groups for p in g["params"]]
-    assert len(ids) == len(set(ids)) == len(list(model.parameters())) == 6
+    assert len(ids) == len(set(ids)) == len(list(model.parameters())) == 5
     rep = compression_report(model)
     assert rep["leftover_params"] == 40 and rep["dense_params_tensorized"] == 40 * 12  # head bias; one table
     # Prune the embedding's dead rank: the head sees the sliced cores, the output is unchanged.

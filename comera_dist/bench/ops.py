@@ -26,6 +26,10 @@ Two policies are counted per contender:
   id range checks and the embedding's ``torch.unique`` deduplication (free of device syncs on
   a CPU, counted anyway), with the process's own thread count (the one-thread wrapper too).
 
+A third contender, ``comera_pruned`` (``static`` only), is CoMERA after a physical prune that left
+every layer its own ranks (``ragged_prune``), as training leaves them: its count shows whether the
+batched contraction of same-shape layers survives pruning.
+
 CPU targets (issue 11): ``ops_ratio_comera_over_dense <= 2`` and ``syncs_per_step_comera <=
 syncs_per_step_dense``.
 """
@@ -41,7 +45,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_dist.bench.common import base_parser, write_result
-from comera_dist.bench.six_encoder import make_contender, random_batch
+from comera_dist.bench.six_encoder import Contender, make_contender, random_batch
+from comera_dist.compression.pruning import apply_plan, make_plan
+from comera_dist.compression.walk import tensorized_modules
 from comera_dist.kernels import dispatch
 
 _aten = torch.ops.aten
@@ -91,10 +97,26 @@ def count_step(step: Callable[[], Any], *, warmup: int = 2) -> OpCounter:
     return counter
 
 
+def ragged_prune(c: Contender, seed: int = 0) -> None:
+    """Kill a random 10-70% of every bond's ranks, a different share per layer and bond, and prune
+    them out (AdamW state sliced along): the layers of a shape class no longer share core shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in tensorized_modules(c.model):
+            for gate in layer.gates:
+                n = gate.numel()
+                keep = max(1, round(n * float(0.3 + 0.6 * torch.rand((), generator=gen))))
+                gate[torch.randperm(n, generator=gen)[keep:]] = 0.0
+    apply_plan(c.model, make_plan(c.model), c.optimizer)
+
+
 def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str, Any]:
     """Counts for one contender under ``policy`` (``static`` or ``cpu_eager``)."""
-    c = make_contender(name, smoke=smoke)
+    c = make_contender("comera" if name == "comera_pruned" else name, smoke=smoke)
     batch = random_batch(c.model, batch_size, smoke=smoke)
+    if name == "comera_pruned":
+        c.train_step(batch)  # AdamW state exists before the prune, as in training
+        ragged_prune(c)
     threads = torch.get_num_threads()
     ctx = dispatch.static_shapes() if policy == "static" else contextlib.nullcontext()
     try:
@@ -117,6 +139,7 @@ def main(argv: list[str]) -> int:
     batch = args.batch_size or 2  # op counts do not depend on the batch size
     rows = [measure(n, smoke=args.smoke, batch_size=batch, policy=pol)
             for pol in ("static", "cpu_eager") for n in ("dense", "comera")]
+    rows.append(measure("comera_pruned", smoke=args.smoke, batch_size=batch, policy="static"))
     by = {(r["contender"], r["policy"]): r for r in rows}
     metrics: dict[str, float] = {}
     for pol, sfx in (("static", ""), ("cpu_eager", "_cpu_eager")):
@@ -127,6 +150,9 @@ def main(argv: list[str]) -> int:
                     f"kernel_ops_per_step_comera{sfx}": c["kernel_ops"], f"kernel_ops_per_step_dense{sfx}": d["kernel_ops"],
                     f"kernel_ops_ratio_comera_over_dense{sfx}": c["kernel_ops"] / d["kernel_ops"]}
     metrics["syncs_excess_comera_over_dense"] = metrics["syncs_per_step_comera"] - metrics["syncs_per_step_dense"]
+    pruned = by["comera_pruned", "static"]
+    metrics |= {"ops_per_step_comera_pruned": pruned["ops"], "syncs_per_step_comera_pruned": pruned["syncs"],
+                "ops_ratio_comera_pruned_over_dense": pruned["ops"] / by["dense", "static"]["ops"]}
     met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
            "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}
     config = {"smoke": args.smoke, "batch_size": batch, "warmup_steps": 2,

@@ -87,7 +87,8 @@ class SizeCounter:
     """
 
     def __init__(self, model: nn.Module, shape_of: ShapeOf = default_shape_of) -> None:
-        self.layers = [layer for _, layer in tensorized_modules(model)]
+        named = list(tensorized_modules(model))
+        self.layers = [layer for _, layer in named]
         if not self.layers:
             raise ValueError(f"SizeCounter: {type(model).__name__} has no tensorized layer")
         self.shape_of = shape_of
@@ -111,26 +112,27 @@ class SizeCounter:
         self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=device)  # (entries,)
         self.base = torch.zeros(bonds + 1, dtype=torch.int64, device=device)
         self.base[-1] = 1
-        self.with_gates = [layer for layer in self.layers if layer.bond_dims()]
+        self.with_gates = [(name, layer) for name, layer in named if layer.bond_dims()]
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
-        for layer in self.with_gates:
+        for name, layer in self.with_gates:
             if layer.gate.numel() != math.prod(self.shape_of(layer.gate)):
-                _check_full_gates(layer, self.shape_of)  # raises, naming the gate
+                _check_full_gates(layer, self.shape_of, name)  # raises, naming the layer
         a = self.base
         if self.with_gates:
-            g = torch.cat([layer.gate for layer in self.with_gates])  # (entries,) every layer's gates
+            g = torch.cat([layer.gate for _, layer in self.with_gates])  # (entries,) every layer's gates
             tau = torch.stack([layer.tau for layer in self.layers])[self.layer_of]  # (entries,) fp32
             a = a.index_add(0, self.bond_of, gate_alive(g, tau).to(torch.int64))  # (bonds + 1,) active ranks, 1
         return (a[self.i] * a[self.j] * self.c).sum()
 
 
-def _check_full_gates(layer: nn.Module, shape_of: ShapeOf) -> None:
+def _check_full_gates(layer: nn.Module, shape_of: ShapeOf, name: str = "") -> None:
     g = layer.gate
     if g.numel() != math.prod(shape_of(g)):
-        raise ValueError(f"active ranks need full gate values but the gate vector holds {g.numel()} of "
-                         f"{math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the gates first)")
+        raise ValueError(f"active ranks need full gate values but the gate vector of {name or type(layer).__name__} "
+                         f"holds {g.numel()} of {math.prod(shape_of(g))} entries (ZeRO-3 partition: gather the "
+                         f"gates first)")
 
 
 def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -> dict[str, Any]:

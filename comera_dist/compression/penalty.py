@@ -29,8 +29,8 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
     set is decided on the working values (``layers.base.gate_alive``), as the forward decides it.
     The arithmetic (sums, count) is in fp32 or wider whatever the gates' dtype.
 
-    Gate tensors of one length (and dtype, device) are stacked and thresholded together: a handful
-    of ops per length instead of several per tensor.
+    All gate tensors of one dtype and device are concatenated and thresholded together: a handful
+    of ops instead of several per tensor.
     No host reads: tensor thresholds stay on the device.
     """
     if len(gates) == 0:
@@ -48,7 +48,7 @@ def penalty_from_gates(gates: Sequence[Tensor], taus: Sequence[float | Tensor] |
             raise ValueError(f"penalty_from_gates: tau for gates[{i}] must be > 0, got {tau}")
     total = gates[0].new_zeros((), dtype=torch.promote_types(gates[0].dtype, torch.float32))
     count = gates[0].new_zeros((), dtype=total.dtype)
-    for s, c in gate_sums(gates, taus, working_dtype):  # one (sum m(g), #alive) per gate length
+    for s, c in gate_sums(gates, taus, working_dtype):  # one (sum m(g), #alive) per dtype and device
         total, count = total + s, count + c
     return total / count.clamp(min=1)
 

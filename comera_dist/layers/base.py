@@ -4,7 +4,7 @@ Rank adaptation is explicit state: ``cores`` is an ``nn.ParameterList``, ``gate`
 holding every interior bond's gates end to end (``gates`` are its per-bond views), ``tau`` a buffer,
 so all of it rides in the ``state_dict``. One gate parameter per layer instead of one per bond: every
 parameter tensor costs the optimizer, ZeRO's gradient bookkeeping and autograd a fixed handful of ops
-per step whatever its size (a six-encoder has 183 bonds in 37 layers). The mask ``m(g) = g * [g > tau]``
+per step whatever its size (a six-encoder has 188 bonds in 38 layers). The mask ``m(g) = g * [g > tau]``
 is computed in every forward and never written back, so pruning by gates is reversible until
 ``prune_`` slices the cores physically.
 """
@@ -36,31 +36,33 @@ def gate_alive(g: Tensor, tau: Tensor | float, working_dtype: torch.dtype | None
 
 def gate_sums(gates: Sequence[Tensor], taus: Sequence[Tensor | float], working_dtype: torch.dtype | None = None
               ) -> list[tuple[Tensor, Tensor]]:
-    """``(sum of m(g), #(g > tau))`` per class of gates of one length (dtype, device), stacked.
+    """``(sum of m(g), #(g > tau))`` per class of gate tensors of one dtype and device, end to end.
 
-    The pieces of the rank penalty ``R = sum m(g) / #alive`` (``compression.penalty``): a handful
-    of ops per gate length instead of several per gate, and no host reads (tensor thresholds stay
-    on the device). Sums are in fp32 or wider; counts are int64. Differentiable in the gates.
+    The pieces of the rank penalty ``R = sum m(g) / #alive`` (``compression.penalty``). R counts
+    entries, so the gate tensors (bonds' or whole layers' vectors, of any lengths, as a prune leaves
+    them) are concatenated and compared with one threshold per entry: a handful of ops per class
+    whatever the count, and no host reads (tensor thresholds stay on the device). Sums are in fp32
+    or wider; counts are int64. Differentiable in the gates.
     """
     classes: dict[tuple, list[int]] = {}
     for i, g in enumerate(gates):
-        classes.setdefault((g.shape[0], g.dtype, g.device), []).append(i)
+        classes.setdefault((g.dtype, g.device), []).append(i)
     terms = []
-    for (_, _, device), idx in classes.items():
-        g = torch.stack([gates[i] for i in idx])  # (n, r) gates of one length
-        tau = _stack_taus([taus[i] for i in idx], device)  # (n, 1) or one number
-        alive = gate_alive(g, tau, working_dtype)  # (n, r) bool
+    for (_, device), idx in classes.items():
+        g = torch.cat([gates[i] for i in idx])  # (entries,) every gate of the class
+        tau = _entry_taus([taus[i] for i in idx], [gates[i].shape[0] for i in idx], device)  # (entries,) or a number
+        alive = gate_alive(g, tau, working_dtype)  # (entries,) bool
         terms.append(((g * alive).sum(dtype=torch.promote_types(g.dtype, torch.float32)), alive.sum()))
     return terms
 
 
-def _stack_taus(taus: list[Tensor | float], device: torch.device) -> Tensor | float:
-    """(n, 1) thresholds: buffers stacked on the device; one Python number stays a number."""
-    if all(isinstance(t, Tensor) for t in taus):
-        return torch.stack([t if t.dim() == 0 else t.reshape(()) for t in taus]).unsqueeze(1)  # (n, 1)
+def _entry_taus(taus: list[Tensor | float], lengths: list[int], device: torch.device) -> Tensor | float:
+    """One threshold per gate entry: each tensor's own, expanded (views) and concatenated on the
+    device; a single Python number shared by all stays a number."""
     if all(not isinstance(t, Tensor) for t in taus) and len(set(taus)) == 1:
         return float(taus[0])
-    return torch.stack([torch.as_tensor(t, dtype=torch.float32, device=device).reshape(()) for t in taus]).unsqueeze(1)
+    parts = [t if isinstance(t, Tensor) else torch.tensor(float(t), dtype=torch.float32, device=device) for t in taus]
+    return torch.cat([t.reshape(1).expand(n) for t, n in zip(parts, lengths)])
 
 
 class TensorizedModule(nn.Module):
@@ -83,9 +85,9 @@ class TensorizedModule(nn.Module):
 
     @property
     def gates(self) -> tuple[Tensor, ...]:
-        """Bond ``k``'s gates ``g_k`` ``(r_k,)``, views of ``gate`` (read or write them in place; the
-        parameter, its ``.grad`` and its optimizer state are ``gate``'s). Needs the full ``gate``: under
-        ZeRO-3 read them inside ``GatheredParameters``."""
+        """Bond ``k``'s gates ``g_k`` ``(r_k,)``, views of ``gate`` (read them, or write them in place
+        under ``torch.no_grad()``; the parameter, its ``.grad`` and its optimizer state are ``gate``'s).
+        Needs the full ``gate``: under ZeRO-3 read them inside ``GatheredParameters``."""
         return self.gate.split(self._bonds) if self._bonds else ()
 
     def masked_gates(self) -> list[Tensor]:

@@ -2,11 +2,15 @@
 
 A six-encoder has 37 TT linear layers in 3 shapes (768x768, 768x3072, 3072x768). Contracting
 each layer's cores into ``L``/``R`` separately costs about a hundred small ops per layer and
-step (forward and backward); stacking the cores of the layers that share every core shape and
+step (forward and backward); stacking the cores of the layers that share their modes and
 contracting them as one batched chain (``tensor.contract.contract_halves_batched``) costs about
-the same per group. The model computes ``shared_factors(self)`` once at the top of its forward
-and hands the mapping down; ``project(layer, x, factors)`` applies a layer with its factors (or
-without, for dense layers, layers with a forced non-``lr`` order, and callers that pass none).
+the same per group. After a physical prune the layers of a group keep different ranks: their cores
+and gates are then stacked zero-padded to the group's largest ranks (``layers.ragged``; a padded
+rank has gate 0, so it is masked out and adds exactly nothing) and each layer's ``L``/``R`` is cut
+back to its own middle rank, so pruning never costs the batching. The model computes
+``shared_factors(self)`` once at the top of its forward and hands the mapping down;
+``project(layer, x, factors)`` applies a layer with its factors (or without, for dense layers,
+layers with a forced non-``lr`` order, and callers that pass none).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 
 from comera_dist.layers.base import TensorizedModule, gate_alive, gate_sums
 from comera_dist.layers.linear import TTLinear
+from comera_dist.layers.ragged import padded_segments, padded_stack
 from comera_dist.tensor import contract
 from comera_dist.tensor.smallops import on_one_thread
 
@@ -28,8 +33,9 @@ Factors = Mapping[int, tuple[Tensor, Tensor]]
 def shared_factors(module: nn.Module) -> dict[int, tuple[Tensor, Tensor]]:
     """``L``/``R`` of every TT linear layer in ``module`` whose order is ``auto`` or ``lr``.
 
-    Layers whose cores have identical shapes (and dtype, device, split ``d``) are contracted
-    together; a group of one goes through the layer's own ``_halves``. Differentiable. Empty under
+    Layers whose cores have the same modes (and dtype, device, split ``d``) are contracted
+    together, zero-padded to the group's largest ranks; a group of one goes through the layer's
+    own ``_halves``. Differentiable. Empty under
     ZeRO-3 (see ``partitioned``): each layer then contracts its own cores in its own forward.
     """
     if partitioned(module):
@@ -52,8 +58,8 @@ def shared_factors_and_penalty(module: nn.Module) -> tuple[dict[int, tuple[Tenso
     R is ``compression.penalty.rank_penalty``'s value, ``sum m(g) / #(g > tau)`` over all gates,
     computed from the same stacked masks the grouped factors use: a grouped gate then feeds one
     stack, so its gradient arrives once instead of being summed from the factors and a separate
-    penalty pass (183 fewer ``add`` and ``select`` ops per six-encoder step). Gates outside the
-    groups (the embedding, singletons, forced orders) are stacked per length as the penalty does.
+    penalty pass. The gate vectors outside the groups (the embedding, singletons, forced orders)
+    go through ``layers.base.gate_sums`` as the penalty's do.
     Under ZeRO-3 (``partitioned``): no factors and no R (the caller computes R its own way).
     """
     if partitioned(module):
@@ -66,7 +72,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for layer in module.modules():
         if isinstance(layer, TTLinear) and layer.order in ("auto", "lr"):
             c0 = layer.cores[0]
-            key = (layer.d, tuple(tuple(c.shape) for c in layer.cores), c0.dtype, c0.device)
+            key = (layer.d, tuple(tuple(c.shape[1:-1]) for c in layer.cores), c0.dtype, c0.device)
             groups.setdefault(key, []).append(layer)
     out: dict[int, tuple[Tensor, Tensor]] = {}
     terms: list[tuple[Tensor, Tensor]] = []  # (sum of m(g) in fp32, surviving count) per batched group
@@ -78,7 +84,8 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
             continue
         n, G = len(group[0].cores), len(group)
         params = [t for layer in group for t in (*layer.cores, layer.gate, layer.tau)]
-        shape = (n, G, group[0].d, tuple(group[0].bond_dims()))
+        bonds = tuple(tuple(layer.bond_dims()) for layer in group)
+        shape = (n, G, group[0].d, bonds)
         got = on_one_thread(lambda *p, s=shape: _batched(p, *s), *params)  # G L, G R, sum, count
         for i, layer in enumerate(group):
             out[id(layer)] = (got[i], got[G + i])
@@ -103,18 +110,25 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int, bonds: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """Stack the group's cores/gates/thresholds, mask, contract: ``(*L_i, *R_i, sum m(g), #alive)``."""
+def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int, bonds: tuple[tuple[int, ...], ...]
+             ) -> tuple[Tensor, ...]:
+    """Stack the group's cores/gates/thresholds (zero-padded where ranks differ), mask, contract:
+    ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank."""
     per = n + 2  # n cores, the gate vector, tau per layer
-    cores = [torch.stack([params[i * per + k] for i in range(G)]) for k in range(n)]  # (G, r, n_k, r')
-    g = torch.stack([params[i * per + n] for i in range(G)])  # (G, sum r_k) every bond's gates
+    cores = [padded_stack([params[i * per + k] for i in range(G)]) for k in range(n)]  # (G, r, n_k, r')
+    g = padded_segments([params[i * per + n] for i in range(G)], bonds)  # (G, sum max r_k): padding is 0
     tau = torch.stack([params[i * per + n + 1] for i in range(G)]).reshape(G, 1)  # (G, 1)
-    alive = gate_alive(g, tau)  # (G, sum r_k) bool, the layers' own rule
+    alive = gate_alive(g, tau)  # (G, sum r_k) bool, the layers' own rule (tau > 0: padding is dead)
     m = g * alive  # m(g) = g [g > tau]
     total = m.sum(dtype=_acc(g.dtype))  # () penalty numerator
     count = alive.sum().to(total.dtype)  # () surviving entries
-    L, R = contract.contract_halves_batched(cores, list(m.split(bonds, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
-    return (*L.unbind(0), *R.unbind(0), total, count)
+    widths = [max(b[k] for b in bonds) for k in range(n - 1)]
+    L, R = contract.contract_halves_batched(cores, list(m.split(widths, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
+    Ls, Rs = L.unbind(0), R.unbind(0)
+    mid = [b[d - 1] for b in bonds]  # each layer's own middle rank (padding cut off)
+    Ls = [x if r == widths[d - 1] else x[:, :r] for x, r in zip(Ls, mid)]
+    Rs = [x if r == widths[d - 1] else x[:r] for x, r in zip(Rs, mid)]
+    return (*Ls, *Rs, total, count)
 
 
 def project(layer: nn.Module, x: Tensor, factors: Factors | None) -> Tensor:

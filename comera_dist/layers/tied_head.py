@@ -1,8 +1,8 @@
 """TiedTTHead: an output head tied to a ``TTEmbedding``: ``logits = h E^T + b`` from the embedding's cores.
 
-The head owns no cores or gates. It reads the embedding's ``cores`` and ``gates`` (the same
+The head owns no cores or gates. It reads the embedding's ``cores`` and ``gate`` (the same
 ``Parameter`` objects) at every call, so the gradient of the logits flows into the embedding's
-cores and gates, a prune of the embedding (``prune_`` replaces its Parameters) is seen at once,
+cores and gate, a prune of the embedding (``prune_`` replaces its Parameters) is seen at once,
 and the accounting, the pruning plan and the optimizer meet each shared Parameter exactly once,
 under the embedding's name. For that reason the embedding is held outside ``nn.Module``'s
 registries (a plain attribute, not a submodule): ``named_modules``, ``state_dict`` and DeepSpeed's

@@ -38,6 +38,9 @@ def test_ops_smoke_static_step_has_no_sync(tmp_path):
     assert "aten._unique2" in by["comera", "cpu_eager"]["sync_ops"]
     assert by["comera", "static"]["kernel_ops"] < by["comera", "static"]["ops"]
     assert m["syncs_excess_comera_over_dense"] <= 0
+    # after a prune that gives every layer its own ranks: still no sync (the padded gather is static)
+    assert by["comera_pruned", "static"]["syncs"] == m["syncs_per_step_comera_pruned"] == 0
+    assert m["ops_ratio_comera_pruned_over_dense"] == m["ops_per_step_comera_pruned"] / m["ops_per_step_dense"]
 
 
 def test_six_encoder_device_path_on_cpu(tmp_path):

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
 from comera_dist.compression.controller import RankController
 from comera_dist.compression.groups import param_groups
 from comera_dist.compression.penalty import rank_penalty
+from comera_dist.compression.pruning import apply_plan, make_plan
+from comera_dist.compression.walk import tensorized_modules
+from comera_dist.layers import TTLinear
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 
@@ -31,12 +35,27 @@ def _unwrapped_step(opt: torch.optim.Optimizer):
     return fn
 
 
-def test_six_encoder_comera_step_compiles_fullgraph_and_matches_eager():
+def _ragged_prune(model: torch.nn.Module) -> None:
+    """Each TT layer loses a different number of ranks: same-mode layers keep different shapes, so
+    ``layers.group`` stacks them zero-padded (``layers.ragged``) instead of plainly."""
+    with torch.no_grad():
+        for i, (_, layer) in enumerate(tensorized_modules(model)):
+            for gate in layer.gates:
+                gate[: i % gate.numel()] = 0.0
+    apply_plan(model, make_plan(model))
+    shapes = {tuple(tuple(c.shape) for c in m.cores) for m in model.modules() if isinstance(m, TTLinear)}
+    assert len(shapes) > 3  # the three mode classes now hold several rank profiles
+
+
+@pytest.mark.parametrize("pruned", [False, True], ids=["full", "ragged-prune"])
+def test_six_encoder_comera_step_compiles_fullgraph_and_matches_eager(pruned):
     cfg = ModelConfig(arch="six_encoder_cls", vocab_size=40, hidden_size=16, num_layers=1, num_heads=2,
                       intermediate_size=32, max_positions=8, num_labels=3, dropout=0.0)
     torch.manual_seed(0)
     model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3))
     model.embeddings.word.padding_idx = 0  # the padding-row path is traced too
+    if pruned:
+        _ragged_prune(model)
     twin = copy.deepcopy(model)
     controller = RankController(ControllerConfig())
     gen = torch.Generator().manual_seed(1)

@@ -99,7 +99,7 @@ def test_partitioned_cores_are_counted_from_ds_shape():
 def test_partitioned_gate_is_an_error_not_a_zero_rank():
     m = _small()
     _partition_like_zero3(m.lin.gate)
-    with pytest.raises(ValueError, match=r"gate vector holds 0 of 7 entries .*gather the gates"):
+    with pytest.raises(ValueError, match=r"gate vector of TTLinear holds 0 of 7 entries .*gather the gates"):
         model_size(m)
 
 
@@ -164,5 +164,5 @@ def test_size_counter_refuses_a_partitioned_gate():
     m = _small()
     counter = SizeCounter(m)
     _partition_like_zero3(m.lin.gate)
-    with pytest.raises(ValueError, match=r"gate vector holds 0 of 7 entries .*gather the gates"):
+    with pytest.raises(ValueError, match=r"gate vector of lin holds 0 of 7 entries .*gather the gates"):
         counter()

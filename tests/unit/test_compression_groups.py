@@ -1,4 +1,4 @@
-"""param_groups: roles by identity with the layers' ParameterLists, never by name."""
+"""param_groups: roles by identity with the layers' ``cores`` and ``gate`` parameters, never by name."""
 
 import torch
 from torch import nn
@@ -16,9 +16,9 @@ class Misnamed(nn.Module):
         g = torch.Generator().manual_seed(0)
         tt = TTLinear(8, 8, num_cores=4, max_rank=2, generator=g)
         # Registered first, so named_parameters() reports this core as "layernorm_bias" and the
-        # gate as "pooler.weight"-like name; both are the same objects as tt.cores[1] / tt.gates[0].
+        # gate vector as "dense_gate_weight"; both are the same objects as tt.cores[1] / tt.gate.
         self.layernorm_bias = tt.cores[1]
-        self.dense_gate_weight = tt.gates[0]
+        self.dense_gate_weight = tt.gate
         self.layernorm = tt  # a TT layer under a norm-like module name
         self.norm = nn.LayerNorm(8)
         self.head = nn.Linear(8, 3)
@@ -33,6 +33,7 @@ def test_groups_by_role_with_documented_lrs():
     model = Misnamed()
     names = {id(p): n for n, p in model.named_parameters()}
     assert names[id(model.layernorm.cores[1])] == "layernorm_bias"  # the trap is really set
+    assert names[id(model.layernorm.gate)] == "dense_gate_weight"
     lr = LrConfig(weight_decay=0.1)
     groups = _by_name(param_groups(model, lr))
     assert list(groups) == ["cores", "gates", "dense"]

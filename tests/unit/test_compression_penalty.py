@@ -68,3 +68,22 @@ def test_bad_input_is_a_clear_error():
         penalty_from_gates([torch.ones(3), torch.ones(2, 2)], 1e-2)
     with pytest.raises(ValueError, match="2 gate vectors but 1 taus"):
         penalty_from_gates([torch.ones(3), torch.ones(2)], [1e-2])
+
+
+def test_penalty_costs_a_fixed_handful_of_ops_whatever_the_gate_lengths():
+    """A prune leaves every layer's gate vector its own length: R stays one concatenated threshold."""
+    from comera_dist.bench.ops import OpCounter
+
+    g = torch.Generator().manual_seed(0)
+    gates = [torch.rand(n, generator=g, requires_grad=True) for n in range(3, 23)]  # 20 distinct lengths
+    taus = [torch.tensor(0.2 + 0.01 * i) for i in range(len(gates))]
+    with OpCounter() as ops:
+        R = penalty_from_gates(gates, taus)
+    assert sum(ops.ops.values()) - ops.views <= 16 and not ops.syncs, ops.ops  # was ~6 per distinct length
+    alive = [x > t for x, t in zip(gates, taus)]
+    want = sum((x * a).sum() for x, a in zip(gates, alive)) / sum(a.sum() for a in alive)
+    torch.testing.assert_close(R, want)
+    got_g = torch.autograd.grad(R, gates)
+    want_g = torch.autograd.grad(want, gates)
+    for a, b in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, b)

@@ -57,15 +57,40 @@ def test_contract_halves_batched_equals_left_and_right():
         torch.testing.assert_close(R[i], Ri)
 
 
-def test_forced_orders_and_pruned_shapes_are_grouped_apart():
+def test_forced_orders_are_grouped_apart():
     layers = _layers(2)
     layers[1].order = "sequential"
-    layers[2].prune_({0: torch.tensor([0, 1])})
     got = shared_factors(layers)
     assert id(layers[1]) not in got and id(layers[2]) in got
     x = torch.randn(5, 12)
-    torch.testing.assert_close(project(layers[2], x, got), layers[2](x))
     torch.testing.assert_close(project(layers[1], x, got), layers[1](x))
+    torch.testing.assert_close(project(layers[2], x, got), layers[2](x))
+
+
+def test_pruned_layers_stay_batched_zero_padded_and_match_their_own_path(monkeypatch):
+    """After a prune the layers of a group differ in ranks: still one batched chain, each layer's
+    factors at its own ranks, and the same outputs and gradients as every layer on its own."""
+    layers = _layers(5).double()
+    assert layers[0].d == 2 and layers[0].bond_dims() == [3, 3, 3]
+    layers[0].prune_({0: torch.tensor([0, 2]), 1: torch.tensor([1])})  # bond 1 is the middle one (d = 2)
+    layers[2].prune_({2: torch.tensor([2])})
+    widths = []
+    real = group_mod._batched
+    monkeypatch.setattr(group_mod, "_batched", lambda p, n, G, d, bonds: widths.append(bonds) or real(p, n, G, d, bonds))
+    x = torch.randn(7, 12, dtype=torch.float64)
+    inputs = [x if m.in_features == 12 else torch.cat([x, x[:, :8]], 1) for m in layers]
+    got = shared_factors(layers)
+    assert widths == [((2, 1, 3), (3, 3, 3), (3, 3, 1))]  # the three 12x20 layers, batched as one group
+    assert got[id(layers[0])][0].shape == (12, 1) and got[id(layers[0])][1].shape == (1, 20)
+    out = sum(project(m, v, got).square().sum() for m, v in zip(layers, inputs))
+    out.backward()
+    grads = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    ref = sum(m(v).square().sum() for m, v in zip(layers, inputs))
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for (name, p), a in zip(layers.named_parameters(), grads, strict=True):
+        torch.testing.assert_close(a, p.grad, msg=name)
 
 
 def test_six_encoder_with_and_without_shared_factors(monkeypatch):

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +134,12 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str
             "top_ops": dict(counter.ops.most_common(12))}
 
 
+def _env_prefix() -> str:
+    """``OMP_NUM_THREADS=N `` when the run had it set (it decides the ``cpu_eager`` thread count)."""
+    n = os.environ.get("OMP_NUM_THREADS")
+    return f"OMP_NUM_THREADS={shlex.quote(n)} " if n else ""
+
+
 def main(argv: list[str]) -> int:
     p = base_parser("ops", "aten ops and host syncs per six-encoder training step, dense vs CoMERA")
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
@@ -162,7 +170,8 @@ def main(argv: list[str]) -> int:
                                               "aten.index/index_put with a bool mask"],
               "target": {"ops_ratio_comera_over_dense": 2.0, "syncs_per_step_comera": "<= syncs_per_step_dense"},
               "targets_met": met,
-              "top_ops": {f"{r['contender']}/{r['policy']}": r["top_ops"] for r in rows}}
+              "top_ops": {f"{r['contender']}/{r['policy']}": r["top_ops"] for r in rows},
+              "bench_command": _env_prefix() + "python -m comera_dist.bench ops " + shlex.join(argv)}
     table = [{k: v for k, v in r.items() if k not in ("top_ops", "sync_ops")} |
              {"sync_ops": ", ".join(f"{k} x{v}" for k, v in r["sync_ops"].items()) or "-"} for r in rows]
     write_result(args.json, "ops", metrics, table, config)

@@ -181,7 +181,7 @@ def command(name: str, cfg: dict[str, Any], stem: str | None = None) -> str:
     parts = [f"python -m comera_dist.bench {name} --json docs/bench/{stem or name}.json"]
     for key, flag in (("steps", "--steps"), ("batch_size", "--batch-size"), ("keep", "--keep"),
                       ("eval_every", "--eval-every"), ("eval_batches", "--eval-batches"), ("threads", "--threads")):
-        if cfg.get(key) is not None:
+        if isinstance(cfg.get(key), (int, float, str)):  # a per-policy mapping (bench ops' threads) is no flag
             parts.append(f"{flag} {cfg[key]}")
     parts += [f"--set {o}" for o in cfg.get("overrides") or []]
     if cfg.get("smoke"):

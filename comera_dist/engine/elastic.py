@@ -17,12 +17,15 @@ small for CoMERA's compressed models; the soak benchmark measures the save time.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from comera_dist.engine.prune import FullState, gather_full_state
+from comera_dist.engine.prune import MOMENTS, FullState, gather_full_state
+
+_BOND_GATE = re.compile(r"(?:(.*)\.)?gates\.(\d+)")
 
 
 def _cpu(d: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -42,6 +45,27 @@ def consolidate(engine, client: dict[str, Any]) -> tuple[dict[str, Any], list[st
                "moments": {n: _cpu(m) for n, m in state.moments.items()}, "step": state.step,
                **schedule_position(engine), "client": client}
     return payload, nonfinite_entries(payload)
+
+
+def upgrade_gate_layout(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` (a consolidated state of ``checkpoint.PARAM_LAYOUT`` 1: one ``<layer>.gates.<k>``
+    parameter per bond) in layout 2: each layer's bond gates, and their AdamW moments, concatenated in
+    bond order into ``<layer>.gate``. Everything else is kept as it is."""
+    params, moments = dict(payload["params"]), dict(payload["moments"])
+    layers: dict[str, dict[int, str]] = {}
+    for name in params:
+        hit = _BOND_GATE.fullmatch(name)
+        if hit:
+            layers.setdefault(hit.group(1) or "", {})[int(hit.group(2))] = name
+    for prefix, bonds in layers.items():
+        if sorted(bonds) != list(range(len(bonds))):
+            raise ValueError(f"upgrade_gate_layout: layer {prefix!r} has gate bonds {sorted(bonds)}, not 0..{len(bonds) - 1}")
+        names = [bonds[k] for k in range(len(bonds))]
+        new = f"{prefix}.gate" if prefix else "gate"
+        params[new] = torch.cat([params.pop(n) for n in names])
+        states = [moments.pop(n, {}) for n in names]
+        moments[new] = {k: torch.cat([s[k] for s in states]) for k in MOMENTS} if all(states) else {}
+    return {**payload, "params": params, "moments": moments}
 
 
 def schedule_position(engine) -> dict[str, Any]:

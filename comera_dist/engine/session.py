@@ -421,7 +421,8 @@ class TrainSession:
                         "controller": self.controller.state_dict(), "plans": [pl.to_json() for pl in self.plans],
                         "rng": rng, "world_size": self.world_size}
         meta = {"identity": self.identity(), "plans": [pl.to_json() for pl in self.plans],
-                "world_size": self.world_size, "zero_stage": self.cfg.deepspeed.zero_stage}
+                "world_size": self.world_size, "zero_stage": self.cfg.deepspeed.zero_stage,
+                "param_layout": ckpt.PARAM_LAYOUT}
         # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
         # own dict is gathered here and each rank gets its own back on resume.
         clients: list[Any] = [None] * self.world_size
@@ -445,7 +446,8 @@ class TrainSession:
         Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
         the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
         shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
-        state (``engine/elastic.py``). Collective.
+        state (``engine/elastic.py``), and so is one written before each layer's gates became one
+        parameter (``param_layout`` 1), converted by ``elastic.upgrade_gate_layout``. Collective.
         """
         path = ckpt.choose(spec, self.checkpoint_root)
         if path is None:
@@ -454,10 +456,14 @@ class TrainSession:
         ckpt.check_compatible(meta, self.identity(), path)
         plans = [PruningPlan.from_json(text) for text in meta["plans"]]
         rank, stage = dist.get_rank(), self.cfg.deepspeed.zero_stage
-        if meta["world_size"] != self.world_size or meta.get("zero_stage", stage) != stage:
+        legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
+        if legacy or meta["world_size"] != self.world_size or meta.get("zero_stage", stage) != stage:
             if rank == 0:
-                log.info("elastic resume from %s: %s", path, elastic.describe_move(meta, self.world_size, stage))
+                log.info("elastic resume from %s: %s", path, "one gate parameter per bond -> one per layer"
+                         if legacy else elastic.describe_move(meta, self.world_size, stage))
             payload = ckpt.read_full_state(path)
+            if legacy:
+                payload = elastic.upgrade_gate_layout(payload)
             state = elastic.full_state(payload, torch.device("cpu"))
             model = model_at_shapes(self.factory, plans)
             load_full_state(model, state)

@@ -11,6 +11,10 @@ and the LR schedule, and continue the loss curve within float noise.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -90,23 +94,55 @@ def _jobs(rank: int, world_size: int, root: str, plan: list) -> dict:
     return {name: _run(rank, world_size, f"{root}/{name}", stage, resume) for name, stage, resume in plan}
 
 
+def _as_bond_gate_checkpoint(src: Path, dst: Path) -> None:
+    """``dst``: the checkpoint ``src`` as a version with one gate Parameter per bond would have written
+    it (``param_layout`` 1): consolidated state with ``<layer>.gates.<k>`` params and moments, no
+    ``param_layout`` in the meta, and DeepSpeed shards that this version cannot load (garbage here:
+    a resume that touched them would fail). The manifest is rewritten to match."""
+    from comera_dist.engine import checkpoint as ckpt
+    from comera_dist.engine import manifest
+
+    shutil.copytree(src, dst)
+    payload = torch.load(dst / ckpt.FULL_STATE, map_location="cpu", weights_only=True)
+    for name in [n for n in payload["params"] if n.endswith(".gate")]:
+        prefix = name[: -len(".gate")]
+        cores = sum(1 for n in payload["params"] if n.startswith(f"{prefix}.cores."))
+        bonds = [payload["params"][f"{prefix}.cores.{k}"].shape[-1] for k in range(cores - 1)]
+        for k, piece in enumerate(payload["params"].pop(name).split(bonds)):
+            payload["params"][f"{prefix}.gates.{k}"] = piece.clone()
+        moments = payload["moments"].pop(name)
+        for k in range(len(bonds)):
+            payload["moments"][f"{prefix}.gates.{k}"] = {m: v.split(bonds)[k].clone() for m, v in moments.items()}
+    torch.save(payload, dst / ckpt.FULL_STATE)
+    meta = json.loads((dst / ckpt.META).read_text())
+    del meta["param_layout"]
+    (dst / ckpt.META).write_text(json.dumps(meta))
+    for shard in dst.glob("*_states.pt"):
+        shard.write_bytes(b"not a DeepSpeed shard of this layout")
+    names = manifest.checkpoint_files(dst)
+    (dst / manifest.MARKER).write_text(manifest.render(dst.name, manifest.describe(dst, names)))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
     root = str(tmp / "runs")
     ckpt = f"checkpoints/step{SAVE_AT:08d}"
     two = run_ranks(_jobs, tmp / "w1", root, [("straight2", 1, None)])
+    _as_bond_gate_checkpoint(Path(root) / "straight2" / ckpt, Path(root) / "bond_gates" / ckpt)
     one = run_ranks(_jobs, tmp / "w2", root, [("straight1", 1, None), ("from2", 1, f"{root}/straight2/{ckpt}")],
                     world_size=1)
     back = run_ranks(_jobs, tmp / "w3", root, [("from1", 1, f"{root}/straight1/{ckpt}"),
-                                               ("zero3", 3, f"{root}/straight2/{ckpt}")])
+                                               ("zero3", 3, f"{root}/straight2/{ckpt}"),
+                                               ("legacy", 1, f"{root}/bond_gates/{ckpt}")])
     return {"straight2": two[0]["straight2"], "straight1": one[0]["straight1"], "from2": one[0]["from2"],
-            "from1": back[0]["from1"], "zero3": back[0]["zero3"], "ranks": (two, back)}
+            "from1": back[0]["from1"], "zero3": back[0]["zero3"], "legacy": back[0]["legacy"], "ranks": (two, back)}
 
 
-@pytest.mark.parametrize("case", ["from2", "from1", "zero3"])
+@pytest.mark.parametrize("case", ["from2", "from1", "zero3", "legacy"])
 def test_elastic_resume_continues_the_straight_run(runs, case):
-    """2 ranks -> 1 (``from2``), 1 -> 2 (``from1``), ZeRO 1 -> 3 (``zero3``)."""
+    """2 ranks -> 1 (``from2``), 1 -> 2 (``from1``), ZeRO 1 -> 3 (``zero3``), and 2 ranks -> 2 from a
+    checkpoint of the older one-gate-per-bond layout (``legacy``: converted, DeepSpeed's shards unused)."""
     ref, r = runs["straight2"], runs[case]
     resumed = list(range(SAVE_AT + 1, STEPS + 1))
     assert sorted(r["ids"]) == resumed

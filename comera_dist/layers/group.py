@@ -35,8 +35,8 @@ def shared_factors(module: nn.Module) -> dict[int, tuple[Tensor, Tensor]]:
 
     Layers whose cores have the same modes (and dtype, device, split ``d``) are contracted
     together, zero-padded to the group's largest ranks; a group of one goes through the layer's
-    own ``_halves``. Differentiable. Empty under
-    ZeRO-3 (see ``partitioned``): each layer then contracts its own cores in its own forward.
+    own ``_halves``. Differentiable. Empty under ZeRO-3 (see ``partitioned``): each layer then
+    contracts its own cores in its own forward.
     """
     if partitioned(module):
         return {}

@@ -47,9 +47,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.prune_payoff import kill_ranks
 from comera_dist.bench.six_encoder import Contender, make_contender, random_batch
 from comera_dist.compression.pruning import apply_plan, make_plan
-from comera_dist.compression.walk import tensorized_modules
 from comera_dist.kernels import dispatch
 
 _aten = torch.ops.aten
@@ -102,13 +102,7 @@ def count_step(step: Callable[[], Any], *, warmup: int = 2) -> OpCounter:
 def ragged_prune(c: Contender, seed: int = 0) -> None:
     """Kill a random 10-70% of every bond's ranks, a different share per layer and bond, and prune
     them out (AdamW state sliced along): the layers of a shape class no longer share core shapes."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, layer in tensorized_modules(c.model):
-            for gate in layer.gates:
-                n = gate.numel()
-                keep = max(1, round(n * float(0.3 + 0.6 * torch.rand((), generator=gen))))
-                gate[torch.randperm(n, generator=gen)[keep:]] = 0.0
+    kill_ranks(c, (0.3, 0.9), seed)
     apply_plan(c.model, make_plan(c.model), c.optimizer)
 
 

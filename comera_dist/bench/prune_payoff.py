@@ -29,14 +29,20 @@ from comera_dist.compression.pruning import apply_plan, make_plan
 from comera_dist.compression.walk import tensorized_modules
 
 
-def kill_ranks(c: Contender, keep: float, seed: int = 0) -> None:
-    """Set a random ``1 - keep`` fraction of every gate vector to 0 (at least one rank survives)."""
+def kill_ranks(c: Contender, keep: float | tuple[float, float], seed: int = 0) -> None:
+    """Set a random ``1 - keep`` fraction of every bond's gates to 0 (at least one rank survives).
+
+    ``keep``: one fraction for every bond, or a ``(low, high)`` range from which each bond of each
+    layer draws its own (the layers of a shape class then end with different ranks, as training
+    leaves them)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, layer in tensorized_modules(c.model):
             for gate in layer.gates:
                 n = gate.numel()
-                dead = torch.randperm(n, generator=gen)[: n - max(1, round(keep * n))]  # (n_dead,)
+                share = keep if isinstance(keep, float) else \
+                    keep[0] + (keep[1] - keep[0]) * float(torch.rand((), generator=gen))
+                dead = torch.randperm(n, generator=gen)[: n - max(1, round(share * n))]  # (n_dead,)
                 gate[dead] = 0.0
 
 

@@ -11,6 +11,7 @@ is computed in every forward and never written back, so pruning by gates is reve
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,11 +115,7 @@ class TensorizedModule(nn.Module):
 
     def bond_offsets(self) -> list[int]:
         """Where bond ``k``'s gates start in ``gate``."""
-        out, at = [], 0
-        for r in self._bonds:
-            out.append(at)
-            at += r
-        return out
+        return list(itertools.accumulate(self._bonds[:-1], initial=0)) if self._bonds else []
 
     def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:
         """``.to(dtype)``/``.bfloat16()``/DeepSpeed's bf16 cast move ``tau`` but keep it fp32: the

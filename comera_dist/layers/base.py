@@ -89,7 +89,7 @@ class TensorizedModule(nn.Module):
         """Bond ``k``'s gates ``g_k`` ``(r_k,)``, views of ``gate`` (read them, or write them in place
         under ``torch.no_grad()``; the parameter, its ``.grad`` and its optimizer state are ``gate``'s).
         Needs the full ``gate``: under ZeRO-3 read them inside ``GatheredParameters``."""
-        return self.gate.split(self._bonds) if self._bonds else ()
+        return self.gate.split(self._bonds)
 
     def masked_gates(self) -> list[Tensor]:
         """``m(g_k) = g_k * [g_k > tau]`` for every interior bond (differentiable in ``g``)."""
@@ -97,8 +97,6 @@ class TensorizedModule(nn.Module):
 
     def _mask(self, gate: Tensor) -> list[Tensor]:
         """``gate`` (this layer's whole gate vector) masked once and split into its bonds."""
-        if not self._bonds:
-            return []
         return list((gate * gate_alive(gate, self.tau)).split(self._bonds))  # keeps g's dtype (bf16 stays bf16)
 
     def ranks(self) -> list[int]:
@@ -115,7 +113,7 @@ class TensorizedModule(nn.Module):
 
     def bond_offsets(self) -> list[int]:
         """Where bond ``k``'s gates start in ``gate``."""
-        return list(itertools.accumulate(self._bonds[:-1], initial=0)) if self._bonds else []
+        return list(itertools.accumulate(self._bonds, initial=0))[:-1]
 
     def _apply(self, fn: Any, recurse: bool = True) -> TensorizedModule:
         """``.to(dtype)``/``.bfloat16()``/DeepSpeed's bf16 cast move ``tau`` but keep it fp32: the

@@ -5,7 +5,7 @@ layers) whose launch cost dwarfs their math, so batch 1 costs as much as batch 3
 own GPU optimisation captures the step once and replays it; this is that capture, with the
 recipe of PyTorch's "whole network capture" (``torch.cuda.graph``):
 
-- warm-up steps on a side stream first (they allocate the optimizer state and let cuBLAS/cuDNN
+- warm-up steps on a side stream first, and the capture on the same stream (they allocate the optimizer state and let cuBLAS/cuDNN
   pick their algorithms outside the capture);
 - gradients set to None before the capture, so the captured backward *assigns* them (a replay
   does not accumulate into the last step's gradients) and they stay alive as static buffers the
@@ -54,7 +54,7 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         self.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=side):  # one stream: each stream gets its own cuBLAS workspace
             self.loss = self._eager()
 
     def _eager(self) -> Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 from comera_dist.compression.config import ComeraConfig
 from comera_dist.compression.groups import param_groups
 from comera_dist.engine.config import DeepSpeedSection, to_deepspeed_dict
+from comera_dist.engine.device import accelerator_device, buffers_to
 from comera_dist.engine.distributed import disable_shm_op
 
 ModelFactory = Callable[[], nn.Module]
@@ -46,10 +47,11 @@ def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_s
     cfg = to_deepspeed_dict(section, world_size, total_steps=1, group_lrs=[1.0])
     if section.zero3_init == "construct":
         with deepspeed.zero.Init(config_dict_or_path=cfg):
-            return factory()
-    model = factory()
-    deepspeed.zero.Init(module=model, config_dict_or_path=cfg)
-    return model
+            model = factory()
+    else:
+        model = factory()
+        deepspeed.zero.Init(module=model, config_dict_or_path=cfg)  # moves the parameters only
+    return buffers_to(model, accelerator_device())
 
 
 def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection, *, world_size: int,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def accelerator_device() -> torch.device:
@@ -44,6 +44,22 @@ def to_device(batch: Mapping[str, Any], device: torch.device | str) -> dict[str,
                 value = value.to(device)  # no copy when it is there already
         out[key] = value
     return out
+
+
+def buffers_to(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model`` with every buffer moved to ``device`` in place, its parameters left where they are.
+
+    ``deepspeed.zero.Init(module=...)`` partitions a model built on the host: it moves the
+    parameters to the accelerator but leaves the buffers (each TT layer's ``tau``) on the host, and
+    the ZeRO-3 engine does not move them either. A host buffer then meets device tensors inside the
+    step (the first GPU run at ZeRO-3 failed in ``SizeCounter`` with "indices should be either on
+    cpu or on the same device as the indexed tensor").
+    """
+    device = torch.device(device)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))  # keeps the buffer's persistence
+    return model
 
 
 def batches_to_device(batches: Iterable[Mapping[str, Any]], device: torch.device | str) -> Iterator[dict[str, Any]]:

@@ -19,6 +19,37 @@ def _no_dropout(c: six_encoder.Contender) -> six_encoder.Contender:
             m.p = 0.0  # the eager and the replayed step must see the same (no) masks
     return c
 
+def _eager_step(c: six_encoder.Contender, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``Contender.train_step``, returning this step's gradients too (``train_step`` clears them)."""
+    with torch.autocast("cuda", dtype=c.autocast or torch.bfloat16, enabled=c.autocast is not None):
+        loss = c.loss(batch)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in c.model.parameters()]
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@torch.no_grad()
+def _copy_state(dst: six_encoder.Contender, src: six_encoder.Contender) -> None:
+    """``dst``'s parameters and AdamW state := ``src``'s, in place (a graph replays on the same storage)."""
+    for p, q in zip(dst.model.parameters(), src.model.parameters(), strict=True):
+        p.copy_(q)
+        for key, value in src.optimizer.state[q].items():
+            dst.optimizer.state[p][key].copy_(value)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+# Relative error of one replayed step against one eager step from the same state. Both run the same
+# kernels, but cuBLAS may choose other algorithms under capture and some backward kernels add with
+# atomics, so the two agree to rounding, not bit for bit. A replay on a stale batch or stale state is
+# off by O(1) in the gradients.
+REPLAY_TOL = {None: 1e-4, torch.bfloat16: 2e-2}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", ["comera", "dense"])
@@ -28,15 +59,25 @@ def test_replay_matches_the_eager_step(name, autocast):
     graphed = _no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
     eager.autocast = graphed.autocast = autocast
     batches = [six_encoder.random_batch(eager.model, 4, smoke=True, seed=s) for s in range(6)]
-    # GraphedStep's warm-up runs 3 eager steps on its first batch: the eager twin does the same
-    for _ in range(3):
+    for _ in range(3):  # as many steps as GraphedStep's warm-up: every AdamW state tensor exists
         eager.train_step(batches[0])
     step = GraphedStep(graphed.loss, graphed.optimizer, batches[0], autocast=autocast)
-    for b in batches[1:]:  # new data each replay: the static buffers must be refilled
-        want, got = eager.train_step(b), step.step(b)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for (n, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    tol = REPLAY_TOL[autocast]
+    names = [n for n, _ in eager.model.named_parameters()]
+    # Each replay starts from the eager twin's exact state, so the comparison is one step deep: a
+    # trajectory comparison would let AdamW amplify rounding differences step after step (measured on
+    # an H200: 1e-3 apart after 3 steps in fp32). New data each replay: the static buffers must be refilled.
+    for i, b in enumerate(batches[1:]):
+        _copy_state(graphed, eager)
+        before = [p.detach().clone() for p in eager.model.parameters()]
+        got = step.step(b)
+        want, grads = _eager_step(eager, b)
+        assert _rel(got, want) <= tol, f"replay {i}: loss {float(got)} vs eager {float(want)}"
+        for n, p, q, g, p0 in zip(names, eager.model.parameters(), graphed.model.parameters(), grads, before,
+                                  strict=True):
+            assert _rel(q.grad, g) <= tol, f"replay {i}: {n}.grad off by {_rel(q.grad, g):.2e} (tolerance {tol})"
+            assert _rel(q - p0, p - p0) <= tol, f"replay {i}: {n}'s update off by {_rel(q - p0, p - p0):.2e}"
+
 
 def test_capture_needs_cuda_and_a_capturable_optimizer():
     c = six_encoder.make_contender("comera", smoke=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from comera_dist.engine.device import accelerator_device, batches_to_device, collective_tensor, to_device
+from comera_dist.engine.device import accelerator_device, batches_to_device, buffers_to, collective_tensor, to_device
+from comera_dist.layers import TTLinear
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,6 +18,17 @@ def test_collective_tensor_is_on_the_accelerator_device():
     t = collective_tensor([1.0, 2.5])
     assert t.device == accelerator_device() and t.dtype == torch.float64 and t.tolist() == [1.0, 2.5]
     assert collective_tensor(3.0).shape == (1,)
+
+
+def test_buffers_to_moves_every_buffer_and_leaves_the_parameters():
+    # ZeRO-3's zero.Init(module=...) moves only the parameters; the TT layers' tau must follow them
+    model = torch.nn.Sequential(TTLinear(16, 16, num_cores=2, max_rank=4), torch.nn.BatchNorm1d(16))
+    model[1].register_buffer("scratch", torch.zeros(2), persistent=False)
+    keys = set(model.state_dict())
+    assert buffers_to(model, "meta") is model
+    assert {b.device.type for b in model.buffers()} == {"meta"} and len(list(model.buffers())) == 5
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert set(model.state_dict()) == keys  # persistence kept: "scratch" stays out of the state dict
 
 
 def test_to_device_moves_tensors_and_passes_other_values():

@@ -82,6 +82,12 @@ class TensorizedModule(nn.Module):
         self.gate = nn.Parameter(torch.ones(sum(self._bonds), dtype=cores[0].dtype, device=cores[0].device))
         self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
 
+    def core_list(self) -> list[Tensor]:
+        """The cores as a plain list, each fetched by index. Code that ``torch.compile`` traces uses
+        this: torch 2.11's Dynamo cannot unpack an ``nn.ParameterList`` (``*self.cores`` or
+        ``list(self.cores)`` raise ``NotImplementedError`` inside Dynamo; the H200 image has 2.11)."""
+        return [self.cores[k] for k in range(len(self._bonds) + 1)]
+
     # ---- gates -------------------------------------------------------------------------
 
     @property

@@ -100,7 +100,7 @@ class TTEmbedding(TensorizedModule):
 
     def table(self) -> Tensor:
         """The masked dense table ``(num_embeddings, embedding_dim)`` (tests, export; never in forward)."""
-        t = ttm_to_dense(list(self.cores), self.masked_gates())[: self.num_embeddings]  # (V, N)
+        t = ttm_to_dense(self.core_list(), self.masked_gates())[: self.num_embeddings]  # (V, N)
         if self.padding_idx is not None:
             t = t.index_fill(0, torch.tensor([self.padding_idx], device=t.device), 0.0)
         return t
@@ -129,7 +129,7 @@ class TTEmbedding(TensorizedModule):
                              f"max {int(flat.max())}")
         n = len(self.cores)
         A, B = on_one_thread(lambda *p: contract.ttm_pair_contract(list(p[:n]), self._mask(p[n])),
-                             *self.cores, self.gate)  # (M1, N1, r), (r, M2, N2)
+                             *self.core_list(), self.gate)  # (M1, N1, r), (r, M2, N2)
         rows = dispatch.ttm_lookup(flat, A, B)  # (T, N)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(-1).to(rows.dtype)  # zero rows, zero gradient

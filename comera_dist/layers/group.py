@@ -72,7 +72,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for layer in module.modules():
         if isinstance(layer, TTLinear) and layer.order in ("auto", "lr"):
             c0 = layer.cores[0]
-            key = (layer.d, tuple(tuple(c.shape[1:-1]) for c in layer.cores), c0.dtype, c0.device)
+            key = (layer.d, tuple(tuple(c.shape[1:-1]) for c in layer.core_list()), c0.dtype, c0.device)
             groups.setdefault(key, []).append(layer)
     out: dict[int, tuple[Tensor, Tensor]] = {}
     terms: list[tuple[Tensor, Tensor]] = []  # (sum of m(g) in fp32, surviving count) per batched group
@@ -80,10 +80,10 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for group in groups.values():
         if len(group) == 1:
             layer = group[0]
-            out[id(layer)] = on_one_thread(layer._halves, *layer.cores, layer.gate)
+            out[id(layer)] = on_one_thread(layer._halves, *layer.core_list(), layer.gate)
             continue
         n, G = len(group[0].cores), len(group)
-        params = [t for layer in group for t in (*layer.cores, layer.gate, layer.tau)]
+        params = [t for layer in group for t in (*layer.core_list(), layer.gate, layer.tau)]
         bonds = tuple(tuple(layer.bond_dims()) for layer in group)
         shape = (n, G, group[0].d, bonds)
         got = on_one_thread(lambda *p, s=shape: _batched(p, *s), *params)  # G L, G R, sum, count

@@ -102,7 +102,7 @@ class TTLinear(TensorizedModule):
 
     def to_dense(self) -> Tensor:
         """The masked dense weight ``(N_in, N_out)`` (tests, export; never used by ``forward``)."""
-        return tt_to_dense(list(self.cores), self.masked_gates(), self.d)
+        return tt_to_dense(self.core_list(), self.masked_gates(), self.d)
 
     def dense_weight(self) -> Tensor:
         """Alias of ``to_dense()``."""
@@ -136,14 +136,14 @@ class TTLinear(TensorizedModule):
         n = len(self.cores)
         if order == "lr":
             L, R = factors if factors is not None else \
-                on_one_thread(self._halves, *self.cores, self.gate)  # (N_in, r_d), (r_d, N_out)
+                on_one_thread(self._halves, *self.core_list(), self.gate)  # (N_in, r_d), (r_d, N_out)
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":
-                y = contract.tt_linear_sequential(x2d, list(self.cores), self.masked_gates(), self.d)  # (T, N_out)
+                y = contract.tt_linear_sequential(x2d, self.core_list(), self.masked_gates(), self.d)  # (T, N_out)
             else:
                 W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n]), self.d),),
-                                   *self.cores, self.gate)
+                                   *self.core_list(), self.gate)
                 y = x2d @ W  # (T, N_out)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)  # an fp32 bias must not promote a bf16 (autocast) output

@@ -87,10 +87,10 @@ class TiedTTHead(nn.Module):
         n = len(e.cores)
         split, side = parse_ttm_head_order(self.chosen_order(x.shape[0]), n)
         if side == "dense":
-            logits = contract.ttm_head_dense(x, list(e.cores), e.masked_gates())  # (T, M)
+            logits = contract.ttm_head_dense(x, e.core_list(), e.masked_gates())  # (T, M)
         else:
             left, right = on_one_thread(
-                lambda *p: contract.ttm_head_halves(list(p[:n]), e._mask(p[n]), split), *e.cores, e.gate)
+                lambda *p: contract.ttm_head_halves(list(p[:n]), e._mask(p[n]), split), *e.core_list(), e.gate)
             logits = contract.ttm_head_contract(x, left, right, side)  # (T, M) padded rows included
         logits = logits[:, : e.num_embeddings]  # (T, V)
         if e.padding_idx is not None:  # the table's padding row is zero (TTEmbedding.table)

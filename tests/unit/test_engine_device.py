@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from comera_dist.engine.device import accelerator_device, batches_to_device, buffers_to, collective_tensor, to_device
+from comera_dist.engine.device import (
+    accelerator_device,
+    batches_to_device,
+    buffers_to,
+    collective_tensor,
+    to_device,
+)
 from comera_dist.layers import TTLinear
 
 REPO = Path(__file__).resolve().parents[2]

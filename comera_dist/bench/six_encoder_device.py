@@ -12,7 +12,8 @@ The headline metrics compare each contender in its **fastest** mode at that batc
 best against dense's worst; the eager-only ratios are recorded beside them. Peak memory is the
 allocator's peak of the same mode (for a graph: warm-up, capture and its private memory pool),
 less what was allocated before the contender was built (on the first H200 run with graphs, memory
-that earlier contenders left behind inflated the later contenders' peaks by 200-400 MiB).
+that earlier contenders left behind inflated the later contenders' peaks by 200-400 MiB), with
+cuBLAS's workspaces freed first so each contender's peak includes its own (``_baseline``).
 A capture that fails (a host sync inside the step, say) is recorded as that row's ``error``
 and the mode drops out of the metrics.
 """
@@ -81,10 +82,21 @@ def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> di
     return {**t, "peak_bytes": peak}
 
 
-def _allocated(device: torch.device) -> int:
-    """Bytes the CUDA caching allocator holds in live tensors now (0 off CUDA: the CPU peak is
-    measured per step by ``memory_probe`` and needs no baseline)."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+def _baseline(device: torch.device) -> int:
+    """Bytes the CUDA caching allocator holds in live tensors now, after freeing cuBLAS's workspaces
+    (0 off CUDA: the CPU peak is measured per step by ``memory_probe`` and needs no baseline).
+
+    cuBLAS keeps one workspace per stream in the caching allocator, so it counts in
+    ``memory_allocated``, and it stays allocated after its contender is gone. Left in place it would
+    be charged to whichever contender first ran on a stream. On the H200 the same ~65 MiB came and
+    went with that: CoMERA b1 eager read 142.8 MiB in a run without the baseline subtraction and
+    77.5 MiB with it (dense had made the default stream's workspace), its graph mode (a new stream)
+    142.5 MiB, and dense's first capture 65 MiB less once warm-up and capture shared one stream.
+    Freed here, every contender pays for the workspaces it allocates itself, whatever the order."""
+    if device.type != "cuda":
+        return 0
+    torch._C._cuda_clearCublasWorkspaces()  # no graph holds one here: each contender's graph is deleted
+    return torch.cuda.memory_allocated(device)
 
 
 def _best(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -131,7 +143,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     for dtype_name, autocast in DEVICE_DTYPES.items():
         for name in ("dense", "comera", "galore"):
             for mode in modes(name, device):
-                base = _allocated(device)  # what earlier contenders left: not this one's memory
+                base = _baseline(device)  # what earlier contenders left: not this one's memory
                 c = make_contender(name, smoke=args.smoke, device=device, capturable=mode == "graph")
                 c.autocast = autocast
                 for b in sizes if name != "galore" else [b_lo]:

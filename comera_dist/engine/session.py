@@ -187,14 +187,18 @@ class TrainSession:
     def zero_skips_nonfinite(self) -> bool:
         """Whether DeepSpeed's ZeRO optimizer (stages 1-3) skips a step whose gradients are not finite.
 
-        It does (for fp32, and for bf16 with ``bf16.check_grad_overflow``, which the generated config
-        sets): on a non-finite gradient norm it applies nothing, leaves the LR schedule and the moments
-        alone and clears the gradients. A non-finite micro-batch after the first then needs no undo: the
-        session back-propagates NaN for the rest of the step and lets the optimizer skip it. Elsewhere
-        (ZeRO 0: a plain optimizer, no such check) a forward-only probe of every micro-batch decides
-        first, which costs one extra forward per micro-batch when accumulating.
+        It does for fp32, for bf16 with ``bf16.check_grad_overflow`` (the generated config sets it
+        unless ``deepspeed.bf16_overflow_check`` is false), and at ZeRO-3 whatever that flag says
+        (measured with DeepSpeed 0.19.8: a bf16 step with NaN gradients and the flag off was skipped,
+        ``tests/distributed/test_engine_prune_resume.py``). On a non-finite gradient it applies
+        nothing, leaves the LR schedule and the moments alone and clears the gradients. A non-finite
+        micro-batch after the first then needs no undo: the session back-propagates NaN for the rest
+        of the step and lets the optimizer skip it. Elsewhere (ZeRO 0: a plain optimizer, no such
+        check; bf16 without the check) a forward-only probe of every micro-batch decides first, which
+        costs one extra forward per micro-batch when accumulating.
         """
-        return self.cfg.deepspeed.zero_stage >= 1
+        ds = self.cfg.deepspeed
+        return ds.zero_stage == 3 or (ds.zero_stage >= 1 and (ds.precision != "bf16" or ds.bf16_overflow_check))
 
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
@@ -296,8 +300,17 @@ class TrainSession:
                 raise RuntimeError("a micro-batch of this step had a non-finite loss, but DeepSpeed applied the "
                                    "step instead of skipping it; the weights may be corrupt")
             return self._skipped()
+        if not self.engine.was_step_applied():  # finite losses, non-finite gradients: DeepSpeed skipped it
+            return self._skipped()
         self.steps_done += 1
         objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)
+        if self.cfg.deepspeed.zero_stage >= 1 and not self.zero_skips_nonfinite and not 0 <= grad_norm < math.inf:
+            # DeepSpeed reports a non-finite gradient norm as inf, NaN or its -1 sentinel
+            raise RuntimeError(f"step {self.steps_done}: the gradients were not finite (gradient norm {grad_norm}) "
+                               "although every loss was, and the step was applied: with "
+                               "deepspeed.bf16_overflow_check=false nothing checks bf16 gradients before the "
+                               "update. The weights are corrupt; resume from the last checkpoint, with the check "
+                               "on to skip such steps")
         return StepOutput(loss=objective_mean, task_loss=sum(losses) / len(losses), penalty=penalty,
                           lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
                           lr=float(self.engine.get_lr()[0]), grad_norm=grad_norm)

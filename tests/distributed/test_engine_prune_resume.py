@@ -70,6 +70,7 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
                       "local_shapes": {n: tuple(p.shape) for n, p in s.module.named_parameters()}}
         s.engine.destroy()
     out.update(_features(rank, world_size, outdir))
+    out["bf16-check"] = _bf16_check_cases(rank, world_size, outdir)
     return out
 
 
@@ -120,6 +121,57 @@ def _poison(module, rank: int, armed: dict) -> None:
                 out["loss"] = out["loss"] * float("nan")
         return out
     module.register_forward_hook(hook)
+
+
+def _poison_grads(module, rank: int, armed: dict) -> None:
+    """While ``armed["on"]``, rank 0's gradients become NaN under a finite loss (a hook on the loss)."""
+    def hook(_mod, _args, out):
+        if armed["on"] and rank == 0 and out["loss"].requires_grad:
+            out["loss"].register_hook(lambda g: g * float("nan"))
+        return out
+    module.register_forward_hook(hook)
+
+
+def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
+    """bf16 with and without ``deepspeed.bf16_overflow_check``: a NaN loss in the 2nd micro-batch, and
+    NaN gradients under finite losses."""
+    from comera_dist.engine.prune import optimizer_step_count
+    from comera_dist.engine.session import TrainSession
+
+    out: dict = {}
+    cfg = tiny_config(f"{outdir}/nocheck-loss", zero_stage=1, accumulation=2, precision="bf16",
+                      bf16_overflow_check=False)
+    s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+    armed = {"on": False, "from": 1}
+    _poison(s.module, rank, armed)
+    s.train_step([batch(1, rank, m) for m in range(2)])
+    before, steps_before = full_params(s), optimizer_step_count(s.engine)
+    armed["on"] = True
+    skipped = s.train_step([batch(2, rank, m) for m in range(2)])
+    armed["on"] = False
+    out["nocheck-loss"] = {"skipped": skipped.skipped_nonfinite, "calls": armed["calls"],
+                           "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items()),
+                           "ds_skipped": s.engine.skipped_steps, "steps": (steps_before, optimizer_step_count(s.engine)),
+                           "check": s.engine.optimizer.check_grad_overflow}
+    s.engine.destroy()
+    for stage, check in ((1, True), (1, False), (3, False)):
+        cfg = tiny_config(f"{outdir}/grads{stage}{check}", zero_stage=stage, precision="bf16",
+                          bf16_overflow_check=check)
+        s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+        armed = {"on": False}
+        _poison_grads(s.module, rank, armed)
+        s.train_step([batch(1, rank)])
+        before = full_params(s)
+        armed["on"] = True
+        try:
+            o = s.train_step([batch(2, rank)])
+            case = {"skipped": o.skipped_nonfinite, "total": s.nonfinite_total, "ds_skipped": s.engine.skipped_steps,
+                    "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items())}
+        except RuntimeError as e:
+            case = {"error": str(e)}
+        out[f"grads{stage}-{'check' if check else 'nocheck'}"] = case
+        s.engine.destroy()
+    return out
 
 
 def _features(rank: int, world_size: int, outdir: str) -> dict:
@@ -186,6 +238,25 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
     s.engine.destroy()
     return out
 
+
+
+def test_bf16_overflow_check_can_be_turned_off(short_runs):
+    """``deepspeed.bf16_overflow_check=false`` at ZeRO 1: DeepSpeed's per-gradient check is off; a NaN loss is
+    still skipped (by the probe, before any backward); NaN gradients under finite losses stop the run with
+    the cause. With the check on, DeepSpeed skips that step and the session counts it; ZeRO-3 skips it
+    either way."""
+    for rank in (0, 1):
+        r = short_runs[rank]["bf16-check"]
+        case = r["nocheck-loss"]
+        assert case["check"] is False  # the generated config really turned DeepSpeed's check off
+        assert case["skipped"] and case["unchanged"] and case["steps"] == (1, 1)
+        assert case["calls"] == 2 and case["ds_skipped"] == 0  # the probe's two forwards skipped it, not DeepSpeed
+        on = r["grads1-check"]
+        assert {k: on[k] for k in ("skipped", "total", "ds_skipped", "unchanged")} == \
+            {"skipped": True, "total": 1, "ds_skipped": 1, "unchanged": True}, on
+        assert "deepspeed.bf16_overflow_check=false" in r["grads1-nocheck"].get("error", ""), r["grads1-nocheck"]
+        off3 = r["grads3-nocheck"]  # ZeRO-3 skips non-finite bf16 gradients whatever the flag says
+        assert (off3["skipped"], off3["total"], off3["ds_skipped"], off3["unchanged"]) == (True, 1, 1, True), off3
 
 
 def test_nonfinite_skip_schedule_bf16(short_runs):

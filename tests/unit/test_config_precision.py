@@ -34,6 +34,14 @@ def test_deepspeed_json_has_no_fp16_section(precision, expected):
     assert ds.get("bf16") == expected and "fp16" not in ds
 
 
+def test_bf16_overflow_check_reaches_the_deepspeed_json_and_is_a_boolean():
+    section = {"micro_batch_size_per_gpu": 2, "precision": "bf16", "zero_stage": 1, "bf16_overflow_check": False}
+    ds = to_deepspeed_dict(build_run_config(RUN | {"deepspeed": section}).deepspeed, 2, total_steps=4, group_lrs=[1e-3])
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    with pytest.raises(ConfigError, match=r"deepspeed\.bf16_overflow_check"):
+        build_run_config(RUN | {"deepspeed": {**section, "bf16_overflow_check": "no"}})
+
+
 def test_bf16_at_zero_stage_0_is_refused_naming_both_keys():
     """DeepSpeed trains bf16 at stage 0 through FP16_Optimizer, whose flat state maps to no parameter:
     a checkpoint of it failed with KeyError 'exp_avg' (engine.prune.gather_full_state)."""

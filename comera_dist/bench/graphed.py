@@ -5,8 +5,8 @@ layers) whose launch cost dwarfs their math, so batch 1 costs as much as batch 3
 own GPU optimisation captures the step once and replays it; this is that capture, with the
 recipe of PyTorch's "whole network capture" (``torch.cuda.graph``):
 
-- warm-up steps on a side stream first, and the capture on the same stream (they allocate the optimizer state and let cuBLAS/cuDNN
-  pick their algorithms outside the capture);
+- warm-up steps on a side stream first (they allocate the optimizer state and let cuBLAS/cuDNN
+  pick their algorithms outside the capture), then the capture on that same stream;
 - gradients set to None before the capture, so the captured backward *assigns* them (a replay
   does not accumulate into the last step's gradients) and they stay alive as static buffers the
   captured optimizer step reads;

@@ -62,6 +62,7 @@ def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
 def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
     """Median/min step time of ``steps`` timed steps after the warm-up, and the peak bytes, in ``mode``
     (the allocator's peak: the caller subtracts what was allocated before the contender was built)."""
+    _free_cublas_workspaces(batch["input_ids"].device)  # an earlier batch size's (or graph stream's) workspace
     if mode == "eager":
         c.train_step(batch)  # warm-up (GaLore: its first projections)
         t = time_steps(c.train_step, batch, steps)
@@ -92,11 +93,20 @@ def _baseline(device: torch.device) -> int:
     went with that: CoMERA b1 eager read 142.8 MiB in a run without the baseline subtraction and
     77.5 MiB with it (dense had made the default stream's workspace), its graph mode (a new stream)
     142.5 MiB, and dense's first capture 65 MiB less once warm-up and capture shared one stream.
-    Freed here, every contender pays for the workspaces it allocates itself, whatever the order."""
+    Freed here and before every measurement (each graph capture makes a new stream, so without that
+    a graph row at batch 32 also carried the workspaces of batches 1 and 8: 65 MiB each), every row
+    pays for the workspaces it allocates itself, whatever the order."""
     if device.type != "cuda":
         return 0
-    torch._C._cuda_clearCublasWorkspaces()  # no graph holds one here: each contender's graph is deleted
+    _free_cublas_workspaces(device)
     return torch.cuda.memory_allocated(device)
+
+
+def _free_cublas_workspaces(device: torch.device) -> None:
+    """Free cuBLAS's per-stream workspaces (CUDA; a no-op elsewhere). Only between measurements: no
+    graph that captured one may be replayed afterwards (``measure`` deletes its graph)."""
+    if device.type == "cuda":
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 def _best(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:

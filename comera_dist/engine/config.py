@@ -115,8 +115,9 @@ class DeepSpeedSection:
     The check costs about 13 device ops per parameter tensor per step (about 30% of the aten ops of a
     six-encoder bf16 step at ZeRO 1, most of it kernel launches on a GPU). ``false`` drops it: a
     non-finite loss still skips its step (found before any backward: with gradient accumulation, by a
-    forward-only probe of every micro-batch), but non-finite gradients under a finite loss are applied,
-    and the session then stops with an error (resume from the last checkpoint). fp32 needs no such
+    forward-only probe of every micro-batch, one extra forward each, which can cost more than the
+    check saves), but non-finite gradients under a finite loss are applied, and the run then stops
+    with exit 3 and no new checkpoint (resume from the last one). fp32 needs no such
     check: DeepSpeed finds non-finite gradients from the gradient norm it computes anyway. ZeRO-3
     skips a step with non-finite bf16 gradients either way."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -237,7 +238,8 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
     if section.zero_stage == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = section.stage3_param_persistence_threshold
     if section.precision == "bf16":
-        ds["bf16"] = {"enabled": True, "check_grad_overflow": section.bf16_overflow_check}  # TrainSession.zero_skips_nonfinite
+        # the overflow check is what lets DeepSpeed skip a non-finite step (TrainSession.zero_skips_nonfinite)
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": section.bf16_overflow_check}
     sched = section.scheduler
     if sched.kind == "warmup_cosine":
         # WarmupCosineLR scales each param group's own lr, so per-role lrs survive.

@@ -3,8 +3,10 @@
 Set ``COMERA_FAULT_NONFINITE_STEPS`` to a comma-separated list of optimizer steps and/or
 inclusive ranges (``"3,5-7"``), and optionally ``COMERA_FAULT_RANKS`` (default: all ranks,
 e.g. ``"0"``) to poison the loss on only some ranks. The loss is multiplied by NaN in a
-forward hook on the model, so the real skip/count/stop path of the engine is exercised.
-Never set these in production: they exist so the non-finite handling can be tested.
+forward hook on the model, so the real skip/count/stop path of the engine is exercised. With
+``COMERA_FAULT_NONFINITE_KIND=grad`` the loss stays finite and its gradient becomes NaN instead
+(non-finite gradients under a finite loss). Never set these in production: they exist so the
+non-finite handling can be tested.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import nn
 
 ENV_STEPS = "COMERA_FAULT_NONFINITE_STEPS"
 ENV_RANKS = "COMERA_FAULT_RANKS"
+ENV_KIND = "COMERA_FAULT_NONFINITE_KIND"
+KINDS = ("loss", "grad")
 
 
 def parse_steps(spec: str) -> set[int]:
@@ -47,6 +51,9 @@ class NonFiniteInjector:
         except ValueError:
             raise ValueError(f"{ENV_RANKS}={ranks!r} is not a comma-separated list of ranks") from None
         self.enabled_here = bool(self.steps) and (not only or rank in only)
+        self.kind = env.get(ENV_KIND, "loss")
+        if self.kind not in KINDS:
+            raise ValueError(f"{ENV_KIND}={self.kind!r}: must be one of {', '.join(KINDS)}")
         self.armed = False
 
     def attach(self, model: nn.Module) -> None:
@@ -61,5 +68,8 @@ class NonFiniteInjector:
     def _hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.armed and isinstance(output, dict) and output.get("loss") is not None:
             output = dict(output)
-            output["loss"] = output["loss"] * float("nan")
+            if self.kind == "grad":
+                output["loss"].register_hook(lambda g: g * float("nan"))  # the value stays finite
+            else:
+                output["loss"] = output["loss"] * float("nan")
         return output

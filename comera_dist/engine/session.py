@@ -54,6 +54,11 @@ SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "i
               "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
 
 
+class NonFiniteGradientsApplied(RuntimeError):
+    """Non-finite gradients under finite losses were applied: nothing checked them before the update
+    (bf16 at ZeRO 1-2 with ``deepspeed.bf16_overflow_check=false``). The weights are corrupt."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one optimizer step did; losses are global (averaged over ranks and micro-batches)."""
@@ -69,7 +74,7 @@ class StepOutput:
     stage: str
     """``early`` or ``late``."""
     skipped_nonfinite: bool
-    """The global loss was not finite: no backward, no optimizer step."""
+    """The global loss or the gradients were not finite: no optimizer update, no LR step."""
     lr: float
     """Learning rate of the first parameter group (cores when tensorized) after the step."""
     grad_norm: float
@@ -198,7 +203,14 @@ class TrainSession:
         costs one extra forward per micro-batch when accumulating.
         """
         ds = self.cfg.deepspeed
-        return ds.zero_stage == 3 or (ds.zero_stage >= 1 and (ds.precision != "bf16" or ds.bf16_overflow_check))
+        checked = ds.precision != "bf16" or ds.bf16_overflow_check
+        return ds.zero_stage == 3 or (ds.zero_stage >= 1 and checked)
+
+    @property
+    def bf16_unchecked(self) -> bool:
+        """bf16 at ZeRO 1-2 without DeepSpeed's overflow check: nothing skips a step whose gradients
+        alone are non-finite (see ``deepspeed.bf16_overflow_check``)."""
+        return self.cfg.deepspeed.zero_stage >= 1 and not self.zero_skips_nonfinite
 
     def _forward_loss(self, batch: Batch) -> Tensor:
         out = self.engine(**batch)
@@ -236,9 +248,12 @@ class TrainSession:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
 
         A non-finite global loss skips the whole step (no optimizer update, no LR step) and counts
-        it: before any backward when it is the first micro-batch's (or the probe's, at ZeRO 0), else
-        by DeepSpeed's overflow skip (``zero_skips_nonfinite``). Lambda and stage switches are decided
-        from the all-reduced loss and size.
+        it: before any backward when it is the first micro-batch's (or the probe's, where DeepSpeed
+        would not skip: ZeRO 0, unchecked bf16), else by DeepSpeed's overflow skip
+        (``zero_skips_nonfinite``). Non-finite gradients under finite losses are skipped and counted
+        the same way where DeepSpeed checks them, and raise ``NonFiniteGradientsApplied`` after the
+        step where it does not (``bf16_unchecked``). Lambda and stage switches are decided from the
+        all-reduced loss and size.
         """
         if isinstance(micro_batches, Mapping):
             micro_batches = [micro_batches]
@@ -304,13 +319,12 @@ class TrainSession:
             return self._skipped()
         self.steps_done += 1
         objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)
-        if self.cfg.deepspeed.zero_stage >= 1 and not self.zero_skips_nonfinite and not 0 <= grad_norm < math.inf:
-            # DeepSpeed reports a non-finite gradient norm as inf, NaN or its -1 sentinel
-            raise RuntimeError(f"step {self.steps_done}: the gradients were not finite (gradient norm {grad_norm}) "
-                               "although every loss was, and the step was applied: with "
-                               "deepspeed.bf16_overflow_check=false nothing checks bf16 gradients before the "
-                               "update. The weights are corrupt; resume from the last checkpoint, with the check "
-                               "on to skip such steps")
+        if self.bf16_unchecked and not 0 <= grad_norm < math.inf:  # DeepSpeed: inf, NaN or its -1 sentinel
+            raise NonFiniteGradientsApplied(
+                f"step {self.steps_done}: the gradients were not finite (gradient norm {grad_norm}) although "
+                "every loss was, and the step was applied: with deepspeed.bf16_overflow_check=false nothing "
+                "checks bf16 gradients before the update. The weights are corrupt; resume from the last "
+                "checkpoint, with the check on to skip such steps")
         return StepOutput(loss=objective_mean, task_loss=sum(losses) / len(losses), penalty=penalty,
                           lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
                           lr=float(self.engine.get_lr()[0]), grad_norm=grad_norm)

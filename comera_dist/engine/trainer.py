@@ -5,7 +5,9 @@ The loop only calls components. Its contract with the outside world:
 * exit 0 after ``train.steps`` steps, or after a SIGUSR1/SIGTERM (checkpoint at the next step
   boundary first, so a Slurm requeue resumes where it stopped);
 * exit ``EXIT_NONFINITE`` (3) after ``train.max_nonfinite_steps`` consecutive non-finite steps,
-  with a checkpoint of the last good state (skipped steps never touch the weights);
+  with a checkpoint of the last good state (skipped steps never touch the weights); also, without
+  a checkpoint, when non-finite gradients were applied (``session.NonFiniteGradientsApplied``:
+  bf16 with ``deepspeed.bf16_overflow_check=false``);
 * ``resume="auto"`` continues from the latest complete checkpoint under ``train.output_dir``.
 """
 
@@ -30,7 +32,7 @@ from comera_dist.engine.errors import InputError
 from comera_dist.engine.faults import NonFiniteInjector
 from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.run_data import RunData, build_run_data
-from comera_dist.engine.session import TrainSession
+from comera_dist.engine.session import NonFiniteGradientsApplied, TrainSession
 from comera_dist.engine.signals import StopRequest
 from comera_dist.metrics import Metrics, build_metrics
 
@@ -178,7 +180,13 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()
-            out = session.train_step(data.next_train_batches())
+            try:
+                out = session.train_step(data.next_train_batches())
+            except NonFiniteGradientsApplied as e:  # every rank: the gradient norm is global
+                log.error("stopping without a checkpoint: %s; the latest checkpoint %s is kept", e,
+                          latest_complete(session.checkpoint_root))
+                status = EXIT_NONFINITE
+                break
             # the step's kernels may still run (e.g. the optimizer's, when no host read follows them):
             # the step time ends when the device has finished the step
             get_accelerator().synchronize()
@@ -187,7 +195,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             guard.update(out.skipped_nonfinite)
             values = _step_metrics(out, step_time, data.tokens_per_step, guard)
             if out.skipped_nonfinite and info.rank == 0:
-                log.warning("step %d: non-finite loss, step skipped (%d in a row, %d in total)",
+                log.warning("step %d: non-finite loss or gradients, step skipped (%d in a row, %d in total)",
                             step, guard.consecutive, guard.total)
             if session.maybe_prune(step):
                 if info.rank == 0:

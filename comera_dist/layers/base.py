@@ -86,7 +86,7 @@ class TensorizedModule(nn.Module):
         """The cores as a plain list, each fetched by index. Code that ``torch.compile`` traces uses
         this: torch 2.11's Dynamo cannot unpack an ``nn.ParameterList`` (``*self.cores`` or
         ``list(self.cores)`` raise ``NotImplementedError`` inside Dynamo; the H200 image has 2.11)."""
-        return [self.cores[k] for k in range(len(self._bonds) + 1)]
+        return [self.cores[k] for k in range(len(self.cores))]
 
     # ---- gates -------------------------------------------------------------------------
 

@@ -140,7 +140,8 @@ class TTLinear(TensorizedModule):
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":
-                y = contract.tt_linear_sequential(x2d, self.core_list(), self.masked_gates(), self.d)  # (T, N_out)
+                cores = self.core_list()
+                y = contract.tt_linear_sequential(x2d, cores, self.masked_gates(), self.d)  # (T, N_out)
             else:
                 W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n]), self.d),),
                                    *self.core_list(), self.gate)

@@ -89,8 +89,8 @@ class TiedTTHead(nn.Module):
         if side == "dense":
             logits = contract.ttm_head_dense(x, e.core_list(), e.masked_gates())  # (T, M)
         else:
-            left, right = on_one_thread(
-                lambda *p: contract.ttm_head_halves(list(p[:n]), e._mask(p[n]), split), *e.core_list(), e.gate)
+            left, right = on_one_thread(lambda *p: contract.ttm_head_halves(list(p[:n]), e._mask(p[n]), split),
+                                        *e.core_list(), e.gate)
             logits = contract.ttm_head_contract(x, left, right, side)  # (T, M) padded rows included
         logits = logits[:, : e.num_embeddings]  # (T, V)
         if e.padding_idx is not None:  # the table's padding row is zero (TTEmbedding.table)

@@ -151,11 +151,12 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
     armed["on"] = False
     out["nocheck-loss"] = {"skipped": skipped.skipped_nonfinite, "calls": armed["calls"],
                            "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items()),
-                           "ds_skipped": s.engine.skipped_steps, "steps": (steps_before, optimizer_step_count(s.engine)),
+                           "ds_skipped": s.engine.skipped_steps,
+                           "steps": (steps_before, optimizer_step_count(s.engine)),
                            "check": s.engine.optimizer.check_grad_overflow}
     s.engine.destroy()
-    for stage, check in ((1, True), (1, False), (3, False)):
-        cfg = tiny_config(f"{outdir}/grads{stage}{check}", zero_stage=stage, precision="bf16",
+    for stage, precision, check in ((1, "bf16", True), (1, "bf16", False), (3, "bf16", False), (1, "fp32", False)):
+        cfg = tiny_config(f"{outdir}/grads{stage}{precision}{check}", zero_stage=stage, precision=precision,
                           bf16_overflow_check=check)
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         armed = {"on": False}
@@ -169,7 +170,7 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
                     "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items())}
         except RuntimeError as e:
             case = {"error": str(e)}
-        out[f"grads{stage}-{'check' if check else 'nocheck'}"] = case
+        out[f"grads{stage}-{precision}-{'check' if check else 'nocheck'}"] = case
         s.engine.destroy()
     return out
 
@@ -251,12 +252,14 @@ def test_bf16_overflow_check_can_be_turned_off(short_runs):
         assert case["check"] is False  # the generated config really turned DeepSpeed's check off
         assert case["skipped"] and case["unchanged"] and case["steps"] == (1, 1)
         assert case["calls"] == 2 and case["ds_skipped"] == 0  # the probe's two forwards skipped it, not DeepSpeed
-        on = r["grads1-check"]
-        assert {k: on[k] for k in ("skipped", "total", "ds_skipped", "unchanged")} == \
-            {"skipped": True, "total": 1, "ds_skipped": 1, "unchanged": True}, on
-        assert "deepspeed.bf16_overflow_check=false" in r["grads1-nocheck"].get("error", ""), r["grads1-nocheck"]
-        off3 = r["grads3-nocheck"]  # ZeRO-3 skips non-finite bf16 gradients whatever the flag says
-        assert (off3["skipped"], off3["total"], off3["ds_skipped"], off3["unchanged"]) == (True, 1, 1, True), off3
+        # skipped by DeepSpeed and counted by the session: bf16 with the check, ZeRO-3 bf16 whatever the flag
+        # says, fp32 (the flag is bf16's only)
+        for key in ("grads1-bf16-check", "grads3-bf16-nocheck", "grads1-fp32-nocheck"):
+            got = r[key]
+            assert (got.get("skipped"), got.get("total"), got.get("ds_skipped"), got.get("unchanged")) == \
+                (True, 1, 1, True), (key, got)
+        off = r["grads1-bf16-nocheck"]
+        assert "deepspeed.bf16_overflow_check=false" in off.get("error", ""), off
 
 
 def test_nonfinite_skip_schedule_bf16(short_runs):

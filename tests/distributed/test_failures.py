@@ -29,6 +29,23 @@ def _model_states(tag_dir) -> dict:
 
 
 @pytest.mark.distributed
+def test_unchecked_bf16_nonfinite_gradients_stop_the_run_without_a_checkpoint(jobs, tmp_path, port):
+    """bf16 at ZeRO 1 with deepspeed.bf16_overflow_check=false: NaN gradients under a finite loss (rank 0,
+    step 3) are applied, so every rank stops with exit 3, names the knob and writes nothing after step 2."""
+    out = tmp_path / "run"
+    env = job_env(port, COMERA_FAULT_NONFINITE_STEPS="3", COMERA_FAULT_RANKS="0", COMERA_FAULT_NONFINITE_KIND="grad")
+    args = run_overrides(out, "train.steps=6", "train.checkpoint_every=2", "deepspeed.precision=bf16",
+                         "deepspeed.zero_stage=1", "deepspeed.bf16_overflow_check=false", "comera.pruning.every=0")
+    job = jobs("torchrun", args, env, tmp_path / "job.log")
+    rc = job.wait(timeout=240)
+    log = job.text()
+    assert rc != 0 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3:\n{log[-4000:]}"
+    assert "stopping without a checkpoint: step 3: the gradients were not finite" in log, log[-4000:]
+    assert "deepspeed.bf16_overflow_check=false" in log and "step 4/" not in log
+    assert checkpoint_tags(out) == [tag_for(2)]  # the corrupt state was never saved
+
+
+@pytest.mark.distributed
 def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     out = tmp_path / "run"
     # Step 2 alone, then 4, 5, 6 in a row: K = 3 trips at step 6. Pruning off so that the
@@ -41,8 +58,8 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     log = job.text()
     # Every rank exits 3; torchrun reports a failed job (exit 1) with the ranks' codes.
     assert rc != 0 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3:\n{log[-4000:]}"
-    assert "step 2: non-finite loss, step skipped (1 in a row, 1 in total)" in log, log[-4000:]
-    assert "step 6: non-finite loss, step skipped (3 in a row, 4 in total)" in log, log[-4000:]
+    assert "step 2: non-finite loss or gradients, step skipped (1 in a row, 1 in total)" in log, log[-4000:]
+    assert "step 6: non-finite loss or gradients, step skipped (3 in a row, 4 in total)" in log, log[-4000:]
     assert "stopping: 3 consecutive non-finite steps" in log
     assert "step 7/" not in log  # it stopped
     tags = checkpoint_tags(out)

@@ -96,3 +96,25 @@ def test_six_encoder_comera_step_compiles_fullgraph_and_matches_eager(pruned):
     torch.testing.assert_close(torch.stack(compiled), torch.stack(eager))
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_traced_code_never_unpacks_a_parameter_list():
+    """torch 2.11's Dynamo (the GPU image's) raises NotImplementedError on ``*layer.cores`` or
+    ``list(layer.cores)``; this CPU's 2.13 accepts them, so the compile tests above cannot see it (the
+    compiled trainer failed on the H200). Code in layers/ and models/ reads cores via ``core_list()``."""
+    import ast
+    from pathlib import Path
+
+    def cores(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "cores"
+
+    root = Path(__file__).resolve().parents[2] / "comera_dist"
+    hits = []
+    for path in sorted([*(root / "layers").glob("*.py"), *(root / "models").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            starred = isinstance(node, ast.Starred) and cores(node.value)
+            listed = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id in ("list", "tuple") and len(node.args) == 1 and cores(node.args[0]))
+            if starred or listed:
+                hits.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not hits, hits

@@ -49,6 +49,20 @@ def test_injector_poisons_only_armed_training_steps_on_chosen_ranks():
         NonFiniteInjector(rank=0, environ={"COMERA_FAULT_NONFINITE_STEPS": "1", "COMERA_FAULT_RANKS": "a"})
 
 
+def test_injector_grad_kind_keeps_the_loss_and_poisons_its_gradient():
+    model = _Toy()
+    env = {"COMERA_FAULT_NONFINITE_STEPS": "1", "COMERA_FAULT_NONFINITE_KIND": "grad"}
+    inj = NonFiniteInjector(rank=0, environ=env)
+    inj.attach(model)
+    x = torch.ones(3, requires_grad=True)
+    inj.arm(1)
+    loss = model(x)["loss"]
+    loss.backward()
+    assert loss.item() == 3.0 and torch.isnan(x.grad).all()
+    with pytest.raises(ValueError, match="COMERA_FAULT_NONFINITE_KIND='weights': must be one of loss, grad"):
+        NonFiniteInjector(rank=0, environ={"COMERA_FAULT_NONFINITE_KIND": "weights"})
+
+
 def test_nonfinite_guard_counts_consecutive_and_total():
     g = NonFiniteGuard(limit=3)
     for skipped in (True, False, True, True):

@@ -44,6 +44,12 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, workdi
         raise
     with open(out, "wb") as f:
         pickle.dump(result, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Left to interpreter exit, gloo's threads can die mid-teardown: CI once saw a rank abort (-6,
+        # "terminate called without an active exception") after writing its result.
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], workdir: Path, *args: Any, world_size: int = 2, timeout: float = 240.0,

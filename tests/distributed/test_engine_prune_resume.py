@@ -123,18 +123,10 @@ def _poison(module, rank: int, armed: dict) -> None:
     module.register_forward_hook(hook)
 
 
-def _poison_grads(module, rank: int, armed: dict) -> None:
-    """While ``armed["on"]``, rank 0's gradients become NaN under a finite loss (a hook on the loss)."""
-    def hook(_mod, _args, out):
-        if armed["on"] and rank == 0 and out["loss"].requires_grad:
-            out["loss"].register_hook(lambda g: g * float("nan"))
-        return out
-    module.register_forward_hook(hook)
-
-
 def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
     """bf16 with and without ``deepspeed.bf16_overflow_check``: a NaN loss in the 2nd micro-batch, and
     NaN gradients under finite losses."""
+    from comera_dist.engine.faults import NonFiniteInjector
     from comera_dist.engine.prune import optimizer_step_count
     from comera_dist.engine.session import TrainSession
 
@@ -159,11 +151,13 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
         cfg = tiny_config(f"{outdir}/grads{stage}{precision}{check}", zero_stage=stage, precision=precision,
                           bf16_overflow_check=check)
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-        armed = {"on": False}
-        _poison_grads(s.module, rank, armed)
+        # the trainer's own fault hook: rank 0's gradients NaN at step 2, its loss finite
+        faults = NonFiniteInjector(rank, {"COMERA_FAULT_NONFINITE_STEPS": "2", "COMERA_FAULT_RANKS": "0",
+                                          "COMERA_FAULT_NONFINITE_KIND": "grad"})
+        faults.attach(s.module)
         s.train_step([batch(1, rank)])
         before = full_params(s)
-        armed["on"] = True
+        faults.arm(2)
         try:
             o = s.train_step([batch(2, rank)])
             case = {"skipped": o.skipped_nonfinite, "total": s.nonfinite_total, "ds_skipped": s.engine.skipped_steps,

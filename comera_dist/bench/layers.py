@@ -107,7 +107,7 @@ def bench_lookup(tokens: int, reps: int, ids_kind: str) -> dict[str, Any]:
         return emb(ids)
 
     def naive() -> torch.Tensor:
-        return contract.ttm_lookup_naive(ids, list(emb.cores), emb.masked_gates())
+        return contract.ttm_lookup_naive(ids, emb.core_list(), emb.masked_gates())
 
     def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:

@@ -6,8 +6,9 @@ the SURVIVING ranks: for core k of shape ``(r_{k-1}, modes..., r_k)`` it adds
 ranks 1). TTM cores count both mode sizes ``m_k * n_k``. Gates are not counted: the
 surviving gate values fold into the cores at export.
 
-Core shapes are read through ``shape_of(param)`` (default ``ds_shape`` when present, else
-``shape``), so the counts hold when ZeRO-3 has partitioned the cores. Active ranks need
+Core shapes come from the layers (``core_shapes()``, kept beside the flat ``core`` parameter) and
+gate sizes through ``shape_of(param)`` (default ``ds_shape`` when present, else ``shape``), so the
+counts hold when ZeRO-3 has partitioned the parameters. Active ranks need
 the gate VALUES: under ZeRO-3 call these inside ``GatheredParameters`` over the gates
 (a partitioned gate is an error, never a silent zero).
 """
@@ -57,7 +58,7 @@ def core_params(core_shapes: Sequence[Sequence[int]], ranks: Sequence[int] | Non
 
 def layer_size(layer: nn.Module, shape_of: ShapeOf = default_shape_of) -> int:
     """Surviving core parameters of one tensorized layer."""
-    shapes = [shape_of(c) for c in layer.cores]
+    shapes = layer.core_shapes()
     return core_params(shapes, active_ranks(layer, shape_of))
 
 
@@ -101,12 +102,12 @@ class SizeCounter:
             for k, r in enumerate(layer.bond_dims()):
                 bond_of += [first + k] * r
                 layer_of += [n] * r
-            shapes = [tuple(shape_of(c)) for c in layer.cores]
+            shapes = layer.core_shapes()
             for k, s in enumerate(shapes):
                 c = math.prod(s[1:-1]) * (s[0] if k == 0 else 1) * (s[-1] if k == len(shapes) - 1 else 1)
                 rows.append((bonds if k == 0 else first + k - 1, bonds if k == len(shapes) - 1 else first + k, c))
             first += len(shapes) - 1
-        device = self.layers[0].cores[0].device
+        device = self.layers[0].core.device
         self.i, self.j, self.c = torch.tensor(rows, dtype=torch.int64, device=device).T.contiguous()  # (cores,) each
         self.bond_of = torch.tensor(bond_of, dtype=torch.int64, device=device)  # (entries,)
         self.layer_of = torch.tensor(layer_of, dtype=torch.int64, device=device)  # (entries,)
@@ -151,9 +152,9 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
     role_ids: set[int] = set()
     gate_params = 0
     for name, layer in tensorized_modules(model):
-        shapes = [tuple(shape_of(c)) for c in layer.cores]
+        shapes = layer.core_shapes()
         ranks = active_ranks(layer, shape_of)
-        role_ids.update(id(p) for p in (*layer.cores, layer.gate))
+        role_ids.update((id(layer.core), id(layer.gate)))
         gate_params += math.prod(shape_of(layer.gate))
         rows[name] = {
             "kind": type(layer).__name__,

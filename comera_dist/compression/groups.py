@@ -1,6 +1,6 @@
 """AdamW parameter groups by ROLE: TT/TTM cores, rank gates, and everything else ("dense").
 
-Roles come from the tensorized layers' ``cores`` and ``gate`` parameters, matched by
+Roles come from the tensorized layers' ``core`` and ``gate`` parameters, matched by
 object identity, never by parameter name (the reference's name matching misfiled cores).
 Default learning rates (``LrConfig``): cores 1e-4, gates 1e-3, dense 5e-5. Gates never
 get weight decay: decay would act as a second, unscheduled rank penalty.
@@ -22,7 +22,7 @@ def param_roles(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> role`` for every core and gate of every tensorized layer."""
     roles: dict[int, str] = {}
     for _, layer in tensorized_modules(model):
-        roles.update({id(p): "cores" for p in layer.cores})
+        roles[id(layer.core)] = "cores"
         roles[id(layer.gate)] = "gates"
     return roles
 

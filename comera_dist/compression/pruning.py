@@ -14,6 +14,7 @@ gathers the parameters and rebuilds its optimizer from the sliced moments.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 
 from comera_dist.compression.config import PruningConfig
 from comera_dist.compression.walk import tensorized_modules
-from comera_dist.layers.base import gate_alive
+from comera_dist.layers.base import gate_alive, slice_flat
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,11 +174,10 @@ def apply_plan(model: nn.Module, plan: PruningPlan, optimizer: torch.optim.Optim
         layer = layers[name]
         device = layer.gate.device
         index = {b: torch.tensor(idx, dtype=torch.long, device=device) for b, idx in bonds.items()}
-        old_cores, old_gate, gate_keep = list(layer.cores), layer.gate, layer.gate_index(index)
+        old_core, shapes, old_gate, gate_keep = layer.core, layer.core_shapes(), layer.gate, layer.gate_index(index)
         layer.prune_(index)
-        for j, (old, new) in enumerate(zip(old_cores, layer.cores)):
-            replaced.append((old, new, _core_slicer(index.get(j - 1), index.get(j))))
-        replaced.append((old_gate, layer.gate, _core_slicer(gate_keep, None)))
+        replaced.append((old_core, layer.core, functools.partial(_flat_slicer, shapes=shapes, kept=index)))
+        replaced.append((old_gate, layer.gate, _gate_slicer(gate_keep)))
     for old, new, slicer in replaced:
         if new is not old and tuple(new.shape) != tuple(slicer(old.detach()).shape):
             raise RuntimeError(f"apply_plan: prune_ produced shape {tuple(new.shape)}, expected "
@@ -186,17 +186,14 @@ def apply_plan(model: nn.Module, plan: PruningPlan, optimizer: torch.optim.Optim
         _repoint_optimizer(optimizer, [(o, n, s) for o, n, s in replaced if n is not o])
 
 
-def _core_slicer(left: Tensor | None, right: Tensor | None) -> Callable[[Tensor], Tensor]:
-    """Slice dim 0 by ``left`` and the last dim by ``right`` (either may be None)."""
+def _flat_slicer(t: Tensor, shapes: list[tuple[int, ...]], kept: dict[int, Tensor]) -> Tensor:
+    """A flat tensor in core layout ``shapes`` (the cores, or a moment of them) sliced as ``prune_`` slices."""
+    return slice_flat(t, shapes, kept)[0]
 
-    def slicer(t: Tensor) -> Tensor:
-        if left is not None:
-            t = t.index_select(0, left)
-        if right is not None:
-            t = t.index_select(t.dim() - 1, right)
-        return t
 
-    return slicer
+def _gate_slicer(keep: Tensor) -> Callable[[Tensor], Tensor]:
+    """Keep the entries ``keep`` of a gate vector (or a moment of it)."""
+    return lambda t: t.index_select(0, keep)
 
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer,

@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 META = "comera_meta.json"
 CONFIG = "config.yaml"
 FULL_STATE = "comera_full_state.pt"
-PARAM_LAYOUT = 2
+PARAM_LAYOUT = 3
 """The parameter layout a checkpoint's meta records (``param_layout``; absent means 1). 1: one gate
-``Parameter`` per bond (``<layer>.gates.<k>``); 2: one gate vector per layer (``<layer>.gate``).
-DeepSpeed's own shards only load into the layout that wrote them; ``elastic.upgrade_gate_layout``
+``Parameter`` per bond (``<layer>.gates.<k>``) and one per core (``<layer>.cores.<k>``); 2: one gate
+vector per layer (``<layer>.gate``); 3: also one flat core parameter per layer (``<layer>.core``).
+DeepSpeed's own shards only load into the layout that wrote them; ``elastic.upgrade_layout``
 converts the consolidated state."""
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"

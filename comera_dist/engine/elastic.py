@@ -26,6 +26,7 @@ from torch import Tensor
 from comera_dist.engine.prune import MOMENTS, FullState, gather_full_state
 
 _BOND_GATE = re.compile(r"(?:(.*)\.)?gates\.(\d+)")
+_CORE = re.compile(r"(?:(.*)\.)?cores\.(\d+)")
 
 
 def _cpu(d: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -47,24 +48,30 @@ def consolidate(engine, client: dict[str, Any]) -> tuple[dict[str, Any], list[st
     return payload, nonfinite_entries(payload)
 
 
-def upgrade_gate_layout(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` (a consolidated state of ``checkpoint.PARAM_LAYOUT`` 1: one ``<layer>.gates.<k>``
-    parameter per bond) in layout 2: each layer's bond gates, and their AdamW moments, concatenated in
-    bond order into ``<layer>.gate``. Everything else is kept as it is."""
+def upgrade_layout(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload``, a consolidated state of an older ``checkpoint.PARAM_LAYOUT``, in the current one.
+
+    Layout 1 had one ``<layer>.gates.<k>`` parameter per bond, layouts 1 and 2 one ``<layer>.cores.<k>``
+    per core. Each layer's pieces, and their AdamW moments, are flattened and concatenated in order
+    into ``<layer>.gate`` and ``<layer>.core`` (``TensorizedModule``'s views read them back at the
+    shapes the rebuilt model knows). Everything else is kept as it is.
+    """
     params, moments = dict(payload["params"]), dict(payload["moments"])
-    layers: dict[str, dict[int, str]] = {}
-    for name in params:
-        hit = _BOND_GATE.fullmatch(name)
-        if hit:
-            layers.setdefault(hit.group(1) or "", {})[int(hit.group(2))] = name
-    for prefix, bonds in layers.items():
-        if sorted(bonds) != list(range(len(bonds))):
-            raise ValueError(f"upgrade_gate_layout: layer {prefix!r} has gate bonds {sorted(bonds)}, not 0..{len(bonds) - 1}")
-        names = [bonds[k] for k in range(len(bonds))]
-        new = f"{prefix}.gate" if prefix else "gate"
-        params[new] = torch.cat([params.pop(n) for n in names])
-        states = [moments.pop(n, {}) for n in names]
-        moments[new] = {k: torch.cat([s[k] for s in states]) for k in MOMENTS} if all(states) else {}
+    for pattern, leaf in ((_BOND_GATE, "gate"), (_CORE, "core")):
+        layers: dict[str, dict[int, str]] = {}
+        for name in params:
+            hit = pattern.fullmatch(name)
+            if hit:
+                layers.setdefault(hit.group(1) or "", {})[int(hit.group(2))] = name
+        for prefix, pieces in layers.items():
+            if sorted(pieces) != list(range(len(pieces))):
+                raise ValueError(f"upgrade_layout: layer {prefix!r} has {leaf} pieces {sorted(pieces)}, "
+                                 f"not 0..{len(pieces) - 1}")
+            names = [pieces[k] for k in range(len(pieces))]
+            new = f"{prefix}.{leaf}" if prefix else leaf
+            params[new] = torch.cat([params.pop(n).reshape(-1) for n in names])
+            states = [moments.pop(n, {}) for n in names]
+            moments[new] = {k: torch.cat([s[k].reshape(-1) for s in states]) for k in MOMENTS} if all(states) else {}
     return {**payload, "params": params, "moments": moments}
 
 

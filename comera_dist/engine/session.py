@@ -473,8 +473,8 @@ class TrainSession:
         Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
         the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
         shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
-        state (``engine/elastic.py``), and so is one written before each layer's gates became one
-        parameter (``param_layout`` 1), converted by ``elastic.upgrade_gate_layout``. Collective.
+        state (``engine/elastic.py``), and so is one written before each layer's gates and cores became
+        one parameter each (``param_layout`` 1 or 2), converted by ``elastic.upgrade_layout``. Collective.
         """
         path = ckpt.choose(spec, self.checkpoint_root)
         if path is None:
@@ -486,11 +486,12 @@ class TrainSession:
         legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
         if legacy or meta["world_size"] != self.world_size or meta.get("zero_stage", stage) != stage:
             if rank == 0:
-                log.info("elastic resume from %s: %s", path, "one gate parameter per bond -> one per layer"
+                log.info("elastic resume from %s: %s", path, f"parameter layout {meta.get('param_layout', 1)} -> "
+                         f"{ckpt.PARAM_LAYOUT} (one core and one gate parameter per layer)"
                          if legacy else elastic.describe_move(meta, self.world_size, stage))
             payload = ckpt.read_full_state(path)
             if legacy:
-                payload = elastic.upgrade_gate_layout(payload)
+                payload = elastic.upgrade_layout(payload)
             state = elastic.full_state(payload, torch.device("cpu"))
             model = model_at_shapes(self.factory, plans)
             load_full_state(model, state)

@@ -1,17 +1,20 @@
 """TensorizedModule: the cores, rank gates, threshold and pruning shared by TT/TTM layers.
 
-Rank adaptation is explicit state: ``cores`` is an ``nn.ParameterList``, ``gate`` one ``nn.Parameter``
-holding every interior bond's gates end to end (``gates`` are its per-bond views), ``tau`` a buffer,
-so all of it rides in the ``state_dict``. One gate parameter per layer instead of one per bond: every
-parameter tensor costs the optimizer, ZeRO's gradient bookkeeping and autograd a fixed handful of ops
-per step whatever its size (a six-encoder has 188 bonds in 38 layers). The mask ``m(g) = g * [g > tau]``
-is computed in every forward and never written back, so pruning by gates is reversible until
-``prune_`` slices the cores physically.
+Rank adaptation is explicit state: ``core`` is one ``nn.Parameter`` holding every core flattened end
+to end (``cores`` are its views ``(r_{k-1}, modes..., r_k)``, shapes kept in ``core_shapes()``),
+``gate`` one ``nn.Parameter`` holding every interior bond's gates end to end (``gates`` are its
+per-bond views), ``tau`` a buffer, so all of it rides in the ``state_dict``. One core and one gate
+parameter per layer instead of one per core and bond: every parameter tensor costs the optimizer,
+ZeRO's gradient bookkeeping and autograd a fixed handful of ops per step whatever its size (a
+six-encoder has 216 cores and 188 bonds in 38 layers). The mask ``m(g) = g * [g > tau]`` is computed
+in every forward and never written back, so pruning by gates is reversible until ``prune_`` slices
+the cores physically (a prune makes new parameters at the new shapes).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,24 +72,48 @@ def _entry_taus(taus: list[Tensor | float], lengths: list[int], device: torch.de
 class TensorizedModule(nn.Module):
     """Base of ``TTLinear`` and ``TTEmbedding``; subclasses set the cores and the accounting."""
 
-    cores: nn.ParameterList
+    core: nn.Parameter
     gate: nn.Parameter
     tau: Tensor
+    _shapes: tuple[tuple[int, ...], ...]
     _bonds: tuple[int, ...]
 
     def _init_state(self, cores: list[Tensor], tau: float) -> None:
         if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
             raise ValueError(f"tau must be a number > 0 (the gate threshold), got {tau!r}")
-        self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
-        self._bonds = tuple(int(c.shape[-1]) for c in cores[:-1])
+        self._shapes = tuple(tuple(int(n) for n in c.shape) for c in cores)
+        self.core = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
+        self._bonds = tuple(s[-1] for s in self._shapes[:-1])
         self.gate = nn.Parameter(torch.ones(sum(self._bonds), dtype=cores[0].dtype, device=cores[0].device))
         self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
 
+    # ---- cores -------------------------------------------------------------------------
+
+    @property
+    def num_cores(self) -> int:
+        """``D``, the number of cores."""
+        return len(self._shapes)
+
+    def core_shapes(self) -> list[tuple[int, ...]]:
+        """Physical shape ``(r_{k-1}, modes..., r_k)`` of every core (known also under ZeRO-3, where
+        ``core`` is an empty shard outside ``GatheredParameters``)."""
+        return list(self._shapes)
+
+    def split_cores(self, flat: Tensor) -> list[Tensor]:
+        """Views ``(r_{k-1}, modes..., r_k)`` of a flat tensor in this layer's core layout: ``core``
+        itself, its ``.grad``, or an optimizer moment of it."""
+        return split_flat(flat, self._shapes)
+
+    @property
+    def cores(self) -> tuple[Tensor, ...]:
+        """The cores as views of ``core`` (read them, or write them in place under ``torch.no_grad()``;
+        the parameter, its ``.grad`` and its optimizer state are ``core``'s). Needs the full ``core``:
+        under ZeRO-3 read them inside ``GatheredParameters``."""
+        return tuple(self.split_cores(self.core))
+
     def core_list(self) -> list[Tensor]:
-        """The cores as a plain list, each fetched by index. Code that ``torch.compile`` traces uses
-        this: torch 2.11's Dynamo cannot unpack an ``nn.ParameterList`` (``*self.cores`` or
-        ``list(self.cores)`` raise ``NotImplementedError`` inside Dynamo; the H200 image has 2.11)."""
-        return [self.cores[k] for k in range(len(self.cores))]
+        """``cores`` as a list: the views the forward contracts (a differentiable split of ``core``)."""
+        return self.split_cores(self.core)
 
     # ---- gates -------------------------------------------------------------------------
 
@@ -144,9 +171,10 @@ class TensorizedModule(nn.Module):
     @torch.no_grad()
     def prune_(self, kept: dict[int, Tensor]) -> None:
         """Keep only ``kept[k]`` indices of bond ``k``: slices core ``k`` (last dim), core ``k+1``
-        (first dim) and bond ``k``'s part of ``gate``; the new tensors are fresh ``nn.Parameter``s
-        (optimizer state must be rebuilt by the caller, see ``compression.pruning.apply_plan``)."""
-        D = len(self.cores)
+        (first dim) and bond ``k``'s part of ``gate``; ``core`` and ``gate`` become fresh
+        ``nn.Parameter``s (optimizer state must be rebuilt by the caller, see
+        ``compression.pruning.apply_plan``, which slices it with ``slice_flat``)."""
+        D = self.num_cores
         idx: dict[int, Tensor] = {}
         for k, ix in kept.items():
             if not isinstance(k, int) or not 0 <= k < D - 1:
@@ -163,11 +191,10 @@ class TensorizedModule(nn.Module):
         if not idx:
             return
         keep = self.gate_index(idx)
-        for k, ix in idx.items():
-            self.cores[k] = _like(self.cores[k], self.cores[k].index_select(-1, ix))
-            self.cores[k + 1] = _like(self.cores[k + 1], self.cores[k + 1].index_select(0, ix))
+        core, self._shapes = slice_flat(self.core, self._shapes, idx)
+        self.core = _like(self.core, core)
         self.gate = _like(self.gate, self.gate.index_select(0, keep))
-        self._bonds = tuple(int(idx[k].numel()) if k in idx else r for k, r in enumerate(self._bonds))
+        self._bonds = tuple(s[-1] for s in self._shapes[:-1])
 
     def gate_index(self, kept: dict[int, Tensor]) -> Tensor:
         """Positions in ``gate`` that survive keeping ``kept[k]`` of bond ``k`` (other bonds whole)."""
@@ -179,34 +206,52 @@ class TensorizedModule(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        legacy = [f"{prefix}gates.{k}" for k in range(len(self._bonds))]
-        if f"{prefix}gate" not in state_dict and legacy and all(k in state_dict for k in legacy):
-            # A state_dict from before the single gate vector (one ``gates.k`` Parameter per bond).
-            if self.gate.numel() == sum(self._bonds):  # not a ZeRO-3 partition (whose local tensors are empty)
-                for k, key in enumerate(legacy):
-                    self._check_shape(state_dict, key, (self._bonds[k],), prefix)
-            state_dict[f"{prefix}gate"] = torch.cat([state_dict.pop(key) for key in legacy])
+        full = self.core.numel() == sum(math.prod(s) for s in self._shapes)  # not an empty ZeRO-3 shard
+        self._upgrade(state_dict, prefix, "cores", "core", list(self._shapes), full)  # first: its error names the ranks
+        self._upgrade(state_dict, prefix, "gates", "gate", [(r,) for r in self._bonds], full)
         # the local shapes: under ZeRO-3 a rank's module tensors and its state_dict's are both empty
-        wanted = {f"{prefix}cores.{k}": tuple(c.shape) for k, c in enumerate(self.cores)}
-        wanted[f"{prefix}gate"] = tuple(self.gate.shape)
-        for key, shape in wanted.items():
-            self._check_shape(state_dict, key, shape, prefix)
+        for key, shape in ((f"{prefix}core", tuple(self.core.shape)), (f"{prefix}gate", tuple(self.gate.shape))):
+            if key in state_dict and tuple(state_dict[key].shape) != shape:
+                raise ValueError(
+                    f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
+                    f"{type(self).__name__} expects {shape} (core shapes {list(self._shapes)}); a pruned "
+                    f"checkpoint needs a model built with its ranks (its meta's plans, or the export's shapes)")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
-    def _check_shape(self, state_dict: dict[str, Any], key: str, shape: tuple[int, ...], prefix: str) -> None:
-        if key in state_dict and tuple(state_dict[key].shape) != shape:
-            raise ValueError(
-                f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
-                f"{type(self).__name__} expects {shape}; a pruned checkpoint needs a "
-                f"model built with its ranks (ranks={self._ranks_in(state_dict, prefix)})")
+    def _upgrade(self, state_dict: dict[str, Any], prefix: str, old: str, new: str,
+                 shapes: list[tuple[int, ...]], full: bool) -> None:
+        """An older state_dict's ``<old>.k`` tensors (one Parameter per core or bond, before the flat
+        ``core``/``gate`` layout) flattened and concatenated into ``<new>``, each shape checked first."""
+        keys = [f"{prefix}{old}.{k}" for k in range(len(shapes))]
+        if f"{prefix}{new}" in state_dict or not keys or not all(k in state_dict for k in keys):
+            return
+        if full:
+            for key, shape in zip(keys, shapes):
+                if tuple(state_dict[key].shape) != shape:
+                    hint = f" (ranks={[int(state_dict[k].shape[0]) for k in keys] + [1]})" if old == "cores" else ""
+                    raise ValueError(
+                        f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)} but this "
+                        f"{type(self).__name__} expects {shape}; a pruned checkpoint needs a model built "
+                        f"with its ranks{hint}")
+        state_dict[f"{prefix}{new}"] = torch.cat([state_dict.pop(k).reshape(-1) for k in keys])
 
-    def _ranks_in(self, state_dict: dict[str, Any], prefix: str) -> list[int] | str:
-        """The rank profile a checkpoint's cores imply (for the error message)."""
-        keys = [f"{prefix}cores.{k}" for k in range(len(self.cores))]
-        if not all(k in state_dict for k in keys):
-            return "unknown"
-        return [int(state_dict[k].shape[0]) for k in keys] + [1]
+
+def split_flat(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """Views of ``flat`` (1-D, the shapes' elements end to end) at ``shapes``."""
+    return [p.view(s) for p, s in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+
+
+def slice_flat(flat: Tensor, shapes: Sequence[tuple[int, ...]], kept: dict[int, Tensor]
+               ) -> tuple[Tensor, tuple[tuple[int, ...], ...]]:
+    """``flat`` in core layout ``shapes`` with only ``kept[k]`` of bond ``k`` (core ``k``'s last dim,
+    core ``k+1``'s first): the new flat tensor and the new shapes. The one slicing rule, used for the
+    cores (``prune_``) and their optimizer moments (``compression.pruning.apply_plan``)."""
+    cores = split_flat(flat, shapes)
+    for k, ix in kept.items():
+        cores[k] = cores[k].index_select(cores[k].dim() - 1, ix)
+        cores[k + 1] = cores[k + 1].index_select(0, ix)
+    return torch.cat([c.reshape(-1) for c in cores]), tuple(tuple(c.shape) for c in cores)
 
 
 def _like(old: nn.Parameter, data: Tensor) -> nn.Parameter:

@@ -127,9 +127,8 @@ class TTEmbedding(TensorizedModule):
                 bool(((flat < 0) | (flat >= self.num_embeddings)).any()):
             raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got min {int(flat.min())} "
                              f"max {int(flat.max())}")
-        n = len(self.cores)
-        A, B = on_one_thread(lambda *p: contract.ttm_pair_contract(list(p[:n]), self._mask(p[n])),
-                             *self.core_list(), self.gate)  # (M1, N1, r), (r, M2, N2)
+        A, B = on_one_thread(lambda c, g: contract.ttm_pair_contract(self.split_cores(c), self._mask(g)),
+                             self.core, self.gate)  # (M1, N1, r), (r, M2, N2)
         rows = dispatch.ttm_lookup(flat, A, B)  # (T, N)
         if self.padding_idx is not None:
             rows = rows * (flat != self.padding_idx).unsqueeze(-1).to(rows.dtype)  # zero rows, zero gradient

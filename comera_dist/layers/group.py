@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from comera_dist.layers.base import TensorizedModule, gate_alive, gate_sums
 from comera_dist.layers.linear import TTLinear
-from comera_dist.layers.ragged import padded_segments, padded_stack
+from comera_dist.layers.ragged import padded_cores, padded_segments
 from comera_dist.tensor import contract
 from comera_dist.tensor.smallops import on_one_thread
 
@@ -71,8 +71,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     groups: dict[tuple, list[TTLinear]] = {}
     for layer in module.modules():
         if isinstance(layer, TTLinear) and layer.order in ("auto", "lr"):
-            c0 = layer.cores[0]
-            key = (layer.d, tuple(tuple(c.shape[1:-1]) for c in layer.core_list()), c0.dtype, c0.device)
+            key = (layer.d, tuple(s[1:-1] for s in layer.core_shapes()), layer.core.dtype, layer.core.device)
             groups.setdefault(key, []).append(layer)
     out: dict[int, tuple[Tensor, Tensor]] = {}
     terms: list[tuple[Tensor, Tensor]] = []  # (sum of m(g) in fp32, surviving count) per batched group
@@ -80,12 +79,12 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
     for group in groups.values():
         if len(group) == 1:
             layer = group[0]
-            out[id(layer)] = on_one_thread(layer._halves, *layer.core_list(), layer.gate)
+            out[id(layer)] = on_one_thread(layer._halves, layer.core, layer.gate)
             continue
-        n, G = len(group[0].cores), len(group)
-        params = [t for layer in group for t in (*layer.core_list(), layer.gate, layer.tau)]
-        bonds = tuple(tuple(layer.bond_dims()) for layer in group)
-        shape = (n, G, group[0].d, bonds)
+        G = len(group)
+        params = [t for layer in group for t in (layer.core, layer.gate, layer.tau)]
+        shapes = tuple(tuple(layer.core_shapes()) for layer in group)
+        shape = (G, group[0].d, shapes)
         got = on_one_thread(lambda *p, s=shape: _batched(p, *s), *params)  # G L, G R, sum, count
         for i, layer in enumerate(group):
             out[id(layer)] = (got[i], got[G + i])
@@ -110,19 +109,21 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batched(params: tuple[Tensor, ...], n: int, G: int, d: int, bonds: tuple[tuple[int, ...], ...]
+def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tuple[int, ...], ...], ...]
              ) -> tuple[Tensor, ...]:
     """Stack the group's cores/gates/thresholds (zero-padded where ranks differ), mask, contract:
-    ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank."""
-    per = n + 2  # n cores, the gate vector, tau per layer
-    cores = [padded_stack([params[i * per + k] for i in range(G)]) for k in range(n)]  # (G, r, n_k, r')
-    g = padded_segments([params[i * per + n] for i in range(G)], bonds)  # (G, sum max r_k): padding is 0
-    tau = torch.stack([params[i * per + n + 1] for i in range(G)]).reshape(G, 1)  # (G, 1)
+    ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank.
+
+    ``params`` is ``(core, gate, tau)`` per layer, ``shapes[i]`` layer ``i``'s core shapes."""
+    cores = padded_cores([params[3 * i] for i in range(G)], shapes)  # (G, r, n_k, r') per core
+    bonds = tuple(tuple(c[-1] for c in s[:-1]) for s in shapes)
+    g = padded_segments([params[3 * i + 1] for i in range(G)], bonds)  # (G, sum max r_k): padding is 0
+    tau = torch.stack([params[3 * i + 2] for i in range(G)]).reshape(G, 1)  # (G, 1)
     alive = gate_alive(g, tau)  # (G, sum r_k) bool, the layers' own rule (tau > 0: padding is dead)
     m = g * alive  # m(g) = g [g > tau]
     total = m.sum(dtype=_acc(g.dtype))  # () penalty numerator
     count = alive.sum().to(total.dtype)  # () surviving entries
-    widths = [max(b[k] for b in bonds) for k in range(n - 1)]
+    widths = [max(b[k] for b in bonds) for k in range(len(shapes[0]) - 1)]
     L, R = contract.contract_halves_batched(cores, list(m.split(widths, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
     Ls, Rs = L.unbind(0), R.unbind(0)
     mid = [b[d - 1] for b in bonds]  # each layer's own middle rank (padding cut off)

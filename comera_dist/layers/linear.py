@@ -133,27 +133,26 @@ class TTLinear(TensorizedModule):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
         order = "lr" if factors is not None else self.chosen_order(x2d.shape[0], _activation_bytes(x2d))
-        n = len(self.cores)
         if order == "lr":
             L, R = factors if factors is not None else \
-                on_one_thread(self._halves, *self.core_list(), self.gate)  # (N_in, r_d), (r_d, N_out)
+                on_one_thread(self._halves, self.core, self.gate)  # (N_in, r_d), (r_d, N_out)
             y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
             if order == "sequential":
                 cores = self.core_list()
                 y = contract.tt_linear_sequential(x2d, cores, self.masked_gates(), self.d)  # (T, N_out)
             else:
-                W, = on_one_thread(lambda *p: (tt_to_dense(list(p[:n]), self._mask(p[n]), self.d),),
-                                   *self.core_list(), self.gate)
+                W, = on_one_thread(lambda c, g: (tt_to_dense(self.split_cores(c), self._mask(g), self.d),),
+                                   self.core, self.gate)
                 y = x2d @ W  # (T, N_out)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)  # an fp32 bias must not promote a bf16 (autocast) output
         return y.reshape(*lead, self.out_features)
 
-    def _halves(self, *params: Tensor) -> tuple[Tensor, Tensor]:
-        """``L`` (middle mask folded in) and ``R`` from the cores and the gate vector (the batch-independent part)."""
-        n, d = len(self.cores), self.d
-        cores, masks = list(params[:n]), self._mask(params[n])
+    def _halves(self, core: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
+        """``L`` (middle mask folded in) and ``R`` from the flat cores and the gate vector (the batch-independent part)."""
+        d = self.d
+        cores, masks = self.split_cores(core), self._mask(gate)
         return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
 
     def chosen_order(self, tokens: int, bytes_per_element: int = 4) -> str:

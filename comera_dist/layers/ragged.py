@@ -1,5 +1,8 @@
 """Stack tensors of different sizes into one zero-padded tensor, by one gather with a cached index.
 
+``padded_cores`` does it for every core of a group of layers at once, from their flat ``core``
+parameters: one gather builds all the stacked, padded cores.
+
 After a physical prune the TT layers of one shape class keep different ranks, so their cores no
 longer ``torch.stack``; contracting each layer apart costs about a hundred small ops per layer and
 step. ``padded_stack`` places every tensor in the corner of a zero tensor of the largest shape, and
@@ -50,6 +53,27 @@ def padded_segments(vectors: Sequence[Tensor], segments: Sequence[Sequence[int]]
     return _gather(vectors, _segment_index(segs, vectors[0].device))
 
 
+def padded_cores(flats: Sequence[Tensor], shapes: Sequence[Shapes]) -> list[Tensor]:
+    """Layer ``i``'s flat cores ``flats[i]`` (its core shapes ``shapes[i]``, end to end) as the group's
+    stacked cores ``(G, *max shape_k)``, each layer's core ``k`` in the corner of block ``k``: one
+    ``cat`` and one ``index`` for every core of every layer (``padded_stack`` per core under
+    ``torch.compile``). Equal shapes stack the flat cores once and view the stack."""
+    shapes = tuple(tuple(tuple(int(n) for n in c) for c in s) for s in shapes)
+    if len(set(shapes)) == 1:
+        return split_stacked(torch.stack(list(flats)), shapes[0])
+    tops = tuple(_top(tuple(s[k] for s in shapes)) for k in range(len(shapes[0])))
+    if torch.compiler.is_compiling():
+        per = [[p.view(c) for p, c in zip(f.split([math.prod(c) for c in s]), s)] for f, s in zip(flats, shapes)]
+        return [padded_stack([cores[k] for cores in per]) for k in range(len(tops))]
+    return split_stacked(_gather(flats, _flat_index(shapes, flats[0].device)), tops)
+
+
+def split_stacked(stacked: Tensor, shapes: Shapes) -> list[Tensor]:
+    """Views ``(G, *shapes[k])`` of ``stacked (G, sum of the shapes' elements)``, block by block."""
+    G = stacked.shape[0]
+    return [p.view(G, *s) for p, s in zip(stacked.split([math.prod(s) for s in shapes], dim=1), shapes)]
+
+
 def _top(shapes: Shapes) -> tuple[int, ...]:
     """The largest size along every dim (or segment)."""
     if len({len(s) for s in shapes}) != 1:
@@ -76,6 +100,26 @@ def _corner_index(shapes: Shapes, device: torch.device) -> Tensor:
         out[(i, *(slice(0, k) for k in s))] = torch.arange(at, at + n).reshape(s)
         at += n
     return out.to(device)
+
+
+@functools.lru_cache(maxsize=64)  # a prune makes ~20 new entries; older shapes never return
+@torch.inference_mode(False)
+def _flat_index(shapes: tuple[Shapes, ...], device: torch.device) -> Tensor:
+    """``(G, sum_k prod(max shape_k))``: for layer ``i``, block ``k`` holds the positions of its core ``k``
+    in the concatenated flat inputs, in the corner of the block's padded shape (``total``: the zero)."""
+    tops = [_top(tuple(s[k] for s in shapes)) for k in range(len(shapes[0]))]
+    total = sum(math.prod(c) for s in shapes for c in s)
+    rows, at = [], 0
+    for s in shapes:
+        blocks = []
+        for c, top in zip(s, tops):
+            block = torch.full(top, total, dtype=torch.int64)
+            n = math.prod(c)
+            block[tuple(slice(0, k) for k in c)] = torch.arange(at, at + n).reshape(c)
+            blocks.append(block.reshape(-1))
+            at += n
+        rows.append(torch.cat(blocks))
+    return torch.stack(rows).to(device)
 
 
 @functools.lru_cache(maxsize=64)  # a prune makes ~20 new entries; older shapes never return

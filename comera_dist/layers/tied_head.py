@@ -1,6 +1,6 @@
 """TiedTTHead: an output head tied to a ``TTEmbedding``: ``logits = h E^T + b`` from the embedding's cores.
 
-The head owns no cores or gates. It reads the embedding's ``cores`` and ``gate`` (the same
+The head owns no cores or gates. It reads the embedding's ``core`` and ``gate`` (the same
 ``Parameter`` objects) at every call, so the gradient of the logits flows into the embedding's
 cores and gate, a prune of the embedding (``prune_`` replaces its Parameters) is seen at once,
 and the accounting, the pruning plan and the optimizer meet each shared Parameter exactly once,
@@ -38,8 +38,8 @@ class TiedTTHead(nn.Module):
         self._tied = (embedding,)  # a tuple: not a submodule (see the module docstring)
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
         self.order = order
-        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings, dtype=embedding.cores[0].dtype,
-                                             device=embedding.cores[0].device)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings, dtype=embedding.core.dtype,
+                                             device=embedding.core.device)) if bias else None
 
     @property
     def embedding(self) -> TTEmbedding:
@@ -54,7 +54,7 @@ class TiedTTHead(nn.Module):
     @order.setter
     def order(self, value: str) -> None:
         if value != "auto":
-            parse_ttm_head_order(value, len(self.embedding.cores))  # raises ValueError naming the order
+            parse_ttm_head_order(value, self.embedding.num_cores)  # raises ValueError naming the order
         self._order = value
 
     # ---- cost model ------------------------------------------------------------------------
@@ -84,13 +84,12 @@ class TiedTTHead(nn.Module):
         if h.shape[-1] != e.embedding_dim:
             raise ValueError(f"h must end in embedding_dim={e.embedding_dim}, got shape {tuple(h.shape)}")
         x = h.reshape(-1, e.embedding_dim)  # (T, N)
-        n = len(e.cores)
-        split, side = parse_ttm_head_order(self.chosen_order(x.shape[0]), n)
+        split, side = parse_ttm_head_order(self.chosen_order(x.shape[0]), e.num_cores)
         if side == "dense":
             logits = contract.ttm_head_dense(x, e.core_list(), e.masked_gates())  # (T, M)
         else:
-            left, right = on_one_thread(lambda *p: contract.ttm_head_halves(list(p[:n]), e._mask(p[n]), split),
-                                        *e.core_list(), e.gate)
+            left, right = on_one_thread(lambda c, g: contract.ttm_head_halves(e.split_cores(c), e._mask(g), split),
+                                        e.core, e.gate)
             logits = contract.ttm_head_contract(x, left, right, side)  # (T, M) padded rows included
         logits = logits[:, : e.num_embeddings]  # (T, V)
         if e.padding_idx is not None:  # the table's padding row is zero (TTEmbedding.table)

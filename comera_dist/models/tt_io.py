@@ -6,6 +6,11 @@ dotted name, type and ``tensor_shapes()`` (modes and *physical* ranks, so a prun
 model rebuilds with its pruned shapes); a ``TiedTTHead`` records the name of the table it reads. ``dir/model.safetensors`` holds the state
 dict (cores, gates, tau, dense leftovers; tied tensors stored once). Loading builds the
 dense skeleton, swaps in TT layers of the recorded shapes, then loads strictly.
+
+Version 2 stores each layer's cores as one flat ``<layer>.core`` (the layer's ``core_shapes()``,
+from the recorded modes and ranks, cut it back into cores) and its gates as one ``<layer>.gate``;
+version 1 stored ``<layer>.cores.<k>`` and ``<layer>.gates.<k>``, which ``TensorizedModule``'s
+``load_state_dict`` still reads.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from comera_dist.models.config import ModelConfig
 from comera_dist.models.hf import ARCH_MAPS, FusedQKV, tie_tt_head
 
 FORMAT = "comera-tt"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 CONFIG_FILE = "tt_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -61,9 +67,9 @@ def load_tt(path: str | Path, map_location: str | torch.device = "cpu") -> nn.Mo
         meta = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"load_tt: {cfg_file} is not valid JSON: {e}") from e
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
         raise ValueError(f"load_tt: {cfg_file} has format {meta.get('format')!r} version {meta.get('version')!r}, "
-                         f"expected {FORMAT!r} version {VERSION}")
+                         f"expected {FORMAT!r} version {' or '.join(map(str, READABLE))}")
     dtype = getattr(torch, meta["dtype"])
     if meta["kind"] == "comera":
         model = build_model(from_dict(ModelConfig, meta["model_config"], "model_config"), None)

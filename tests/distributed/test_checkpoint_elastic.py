@@ -12,6 +12,7 @@ and the LR schedule, and continue the loss curve within float noise.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
     """Train to STEPS (from ``resume``, a checkpoint path, if given); save at SAVE_AT in a fresh run."""
     import deepspeed.comm as dist
 
+    from comera_dist.compression.walk import tensorized_modules
     from comera_dist.data.collators import causal_collator
     from comera_dist.data.loader import PackedLoader
     from comera_dist.engine.session import TrainSession
@@ -80,6 +82,7 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
         out["loss"][step], out["lr"][step], out["stage"][step], out["lam"][step] = o.task_loss, o.lr, o.stage, o.lam
         if resume is None and step == SAVE_AT:
             s.save(step, {"data_state": loader.state_dict()})
+            out["saved_shapes"] = {n: layer.core_shapes() for n, layer in tensorized_modules(s.module)}
     out["dims"] = s.bond_dims()
     out["plans"] = [p.to_json() for p in s.plans]
     out["controller"] = s.controller.state_dict()
@@ -94,25 +97,27 @@ def _jobs(rank: int, world_size: int, root: str, plan: list) -> dict:
     return {name: _run(rank, world_size, f"{root}/{name}", stage, resume) for name, stage, resume in plan}
 
 
-def _as_bond_gate_checkpoint(src: Path, dst: Path) -> None:
-    """``dst``: the checkpoint ``src`` as a version with one gate Parameter per bond would have written
-    it (``param_layout`` 1): consolidated state with ``<layer>.gates.<k>`` params and moments, no
-    ``param_layout`` in the meta, and DeepSpeed shards that this version cannot load (garbage here:
-    a resume that touched them would fail). The manifest is rewritten to match."""
+def _as_layout1_checkpoint(src: Path, dst: Path, shapes: dict[str, list[tuple[int, ...]]]) -> None:
+    """``dst``: the checkpoint ``src`` as a version with one Parameter per core and per bond would
+    have written it (``param_layout`` 1): consolidated state with ``<layer>.cores.<k>`` and
+    ``<layer>.gates.<k>`` params and moments, no ``param_layout`` in the meta, and DeepSpeed shards
+    that this version cannot load (garbage here: a resume that touched them would fail). ``shapes``:
+    every layer's core shapes at the save. The manifest is rewritten to match."""
     from comera_dist.engine import checkpoint as ckpt
     from comera_dist.engine import manifest
 
     shutil.copytree(src, dst)
     payload = torch.load(dst / ckpt.FULL_STATE, map_location="cpu", weights_only=True)
-    for name in [n for n in payload["params"] if n.endswith(".gate")]:
-        prefix = name[: -len(".gate")]
-        cores = sum(1 for n in payload["params"] if n.startswith(f"{prefix}.cores."))
-        bonds = [payload["params"][f"{prefix}.cores.{k}"].shape[-1] for k in range(cores - 1)]
-        for k, piece in enumerate(payload["params"].pop(name).split(bonds)):
-            payload["params"][f"{prefix}.gates.{k}"] = piece.clone()
-        moments = payload["moments"].pop(name)
-        for k in range(len(bonds)):
-            payload["moments"][f"{prefix}.gates.{k}"] = {m: v.split(bonds)[k].clone() for m, v in moments.items()}
+    assert sorted(shapes) == sorted(n[: -len(".core")] for n in payload["params"] if n.endswith(".core"))
+    for prefix, cores in shapes.items():
+        sizes = {"core": [math.prod(c) for c in cores], "gate": [c[-1] for c in cores[:-1]]}
+        views = {"core": cores, "gate": [(c[-1],) for c in cores[:-1]]}
+        for leaf, old in (("core", "cores"), ("gate", "gates")):
+            flat, moments = payload["params"].pop(f"{prefix}.{leaf}"), payload["moments"].pop(f"{prefix}.{leaf}")
+            for k, (piece, shape) in enumerate(zip(flat.split(sizes[leaf]), views[leaf])):
+                payload["params"][f"{prefix}.{old}.{k}"] = piece.reshape(shape).clone()
+                payload["moments"][f"{prefix}.{old}.{k}"] = {
+                    m: v.split(sizes[leaf])[k].reshape(shape).clone() for m, v in moments.items()}
     torch.save(payload, dst / ckpt.FULL_STATE)
     meta = json.loads((dst / ckpt.META).read_text())
     del meta["param_layout"]
@@ -129,12 +134,13 @@ def runs(tmp_path_factory):
     root = str(tmp / "runs")
     ckpt = f"checkpoints/step{SAVE_AT:08d}"
     two = run_ranks(_jobs, tmp / "w1", root, [("straight2", 1, None)])
-    _as_bond_gate_checkpoint(Path(root) / "straight2" / ckpt, Path(root) / "bond_gates" / ckpt)
+    _as_layout1_checkpoint(Path(root) / "straight2" / ckpt, Path(root) / "layout1" / ckpt,
+                           two[0]["straight2"]["saved_shapes"])
     one = run_ranks(_jobs, tmp / "w2", root, [("straight1", 1, None), ("from2", 1, f"{root}/straight2/{ckpt}")],
                     world_size=1)
     back = run_ranks(_jobs, tmp / "w3", root, [("from1", 1, f"{root}/straight1/{ckpt}"),
                                                ("zero3", 3, f"{root}/straight2/{ckpt}"),
-                                               ("legacy", 1, f"{root}/bond_gates/{ckpt}")])
+                                               ("legacy", 1, f"{root}/layout1/{ckpt}")])
     return {"straight2": two[0]["straight2"], "straight1": one[0]["straight1"], "from2": one[0]["from2"],
             "from1": back[0]["from1"], "zero3": back[0]["zero3"], "legacy": back[0]["legacy"], "ranks": (two, back)}
 
@@ -142,7 +148,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("case", ["from2", "from1", "zero3", "legacy"])
 def test_elastic_resume_continues_the_straight_run(runs, case):
     """2 ranks -> 1 (``from2``), 1 -> 2 (``from1``), ZeRO 1 -> 3 (``zero3``), and 2 ranks -> 2 from a
-    checkpoint of the older one-gate-per-bond layout (``legacy``: converted, DeepSpeed's shards unused)."""
+    checkpoint of the oldest layout, one parameter per core and per bond (``legacy``: converted,
+    DeepSpeed's shards unused)."""
     ref, r = runs["straight2"], runs[case]
     resumed = list(range(SAVE_AT + 1, STEPS + 1))
     assert sorted(r["ids"]) == resumed

@@ -1,4 +1,4 @@
-"""param_groups: roles by identity with the layers' ``cores`` and ``gate`` parameters, never by name."""
+"""param_groups: roles by identity with the layers' ``core`` and ``gate`` parameters, never by name."""
 
 import torch
 from torch import nn
@@ -15,9 +15,9 @@ class Misnamed(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         tt = TTLinear(8, 8, num_cores=4, max_rank=2, generator=g)
-        # Registered first, so named_parameters() reports this core as "layernorm_bias" and the
-        # gate vector as "dense_gate_weight"; both are the same objects as tt.cores[1] / tt.gate.
-        self.layernorm_bias = tt.cores[1]
+        # Registered first, so named_parameters() reports the flat cores as "layernorm_bias" and the
+        # gate vector as "dense_gate_weight"; both are the same objects as tt.core / tt.gate.
+        self.layernorm_bias = tt.core
         self.dense_gate_weight = tt.gate
         self.layernorm = tt  # a TT layer under a norm-like module name
         self.norm = nn.LayerNorm(8)
@@ -32,13 +32,13 @@ def _by_name(groups):
 def test_groups_by_role_with_documented_lrs():
     model = Misnamed()
     names = {id(p): n for n, p in model.named_parameters()}
-    assert names[id(model.layernorm.cores[1])] == "layernorm_bias"  # the trap is really set
+    assert names[id(model.layernorm.core)] == "layernorm_bias"  # the trap is really set
     assert names[id(model.layernorm.gate)] == "dense_gate_weight"
     lr = LrConfig(weight_decay=0.1)
     groups = _by_name(param_groups(model, lr))
     assert list(groups) == ["cores", "gates", "dense"]
     ids = {k: {id(p) for p in g["params"]} for k, g in groups.items()}
-    assert ids["cores"] == {id(p) for p in model.layernorm.cores}
+    assert ids["cores"] == {id(model.layernorm.core)}
     assert ids["gates"] == {id(model.layernorm.gate)}
     dense = [model.layernorm.bias, model.norm.weight, model.norm.bias, model.head.weight, model.head.bias]
     assert ids["dense"] == {id(p) for p in dense}

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
@@ -120,7 +121,33 @@ def test_save_tt_load_tt_round_trip_with_pruned_ranks(arch, tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     for name in shapes:
-        assert f"{name}.cores.0" in keys and f"{name}.gate" in keys and f"{name}.weight" not in keys
+        assert f"{name}.core" in keys and f"{name}.gate" in keys and f"{name}.weight" not in keys
+
+
+def test_load_tt_reads_a_version_1_file_with_one_tensor_per_core_and_bond(tmp_path):
+    """A file written before the flat layout (``<layer>.cores.<k>``, ``<layer>.gates.<k>``, version 1)
+    loads into the same model; a core of the wrong shape is an error naming the key."""
+    model = ours("gpt")
+    _prune_some(model)
+    save_tt(model, tmp_path)
+    layers = tensorized_modules(model)
+    old = {}
+    for key, value in load_file(tmp_path / "model.safetensors").items():
+        name, _, leaf = key.rpartition(".")
+        if name in layers and leaf in ("core", "gate"):
+            pieces = layers[name].split_cores(value) if leaf == "core" else value.split(layers[name].bond_dims())
+            old.update({f"{name}.{leaf}s.{k}": p.contiguous() for k, p in enumerate(pieces)})
+        else:
+            old[key] = value
+    save_file(old, tmp_path / "model.safetensors")
+    meta = json.loads((tmp_path / "tt_config.json").read_text())
+    (tmp_path / "tt_config.json").write_text(json.dumps({**meta, "version": 1}))
+    torch.testing.assert_close(logits(load_tt(tmp_path)), logits(model), rtol=0, atol=0)
+    first = next(iter(layers))
+    old[f"{first}.cores.1"] = old[f"{first}.cores.1"][:1].contiguous()
+    save_file(old, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"state_dict\['{first}.cores.1'\] has shape"):
+        load_tt(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])

@@ -47,12 +47,12 @@ def test_batched_factors_match_each_layers_own_forward_and_backward():
 def test_contract_halves_batched_equals_left_and_right():
     layers = _layers(1)[:3]
     d = layers[0].d
-    n = len(layers[0].cores)
+    n = layers[0].num_cores
     cores = [torch.stack([m.cores[k] for m in layers]) for k in range(n)]
     masks = [torch.stack([m.masked_gates()[k] for m in layers]) for k in range(n - 1)]
     L, R = contract.contract_halves_batched(cores, masks, d)
     for i, m in enumerate(layers):
-        Li, Ri = m._halves(*m.cores, m.gate)
+        Li, Ri = m._halves(m.core, m.gate)
         torch.testing.assert_close(L[i], Li)
         torch.testing.assert_close(R[i], Ri)
 
@@ -76,7 +76,8 @@ def test_pruned_layers_stay_batched_zero_padded_and_match_their_own_path(monkeyp
     layers[2].prune_({2: torch.tensor([2])})
     widths = []
     real = group_mod._batched
-    monkeypatch.setattr(group_mod, "_batched", lambda p, n, G, d, bonds: widths.append(bonds) or real(p, n, G, d, bonds))
+    monkeypatch.setattr(group_mod, "_batched", lambda p, G, d, shapes: widths.append(
+        tuple(tuple(c[-1] for c in s[:-1]) for s in shapes)) or real(p, G, d, shapes))
     x = torch.randn(7, 12, dtype=torch.float64)
     inputs = [x if m.in_features == 12 else torch.cat([x, x[:, :8]], 1) for m in layers]
     got = shared_factors(layers)
@@ -158,7 +159,7 @@ def test_batched_groups_bigger_than_one(G):
                                   for _ in range(G)])
     got = shared_factors(layers)
     for m in layers:
-        L, R = m._halves(*m.cores, m.gate)
+        L, R = m._halves(m.core, m.gate)
         torch.testing.assert_close(got[id(m)][0], L)
         torch.testing.assert_close(got[id(m)][1], R)
 

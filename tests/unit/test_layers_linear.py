@@ -112,12 +112,17 @@ def test_gates_mask_without_overwriting():
     with torch.no_grad():
         layer.gates[-1][1] = 1.0
     assert layer.ranks()[-1] == layer.bond_dims()[-1]
-    assert set(layer.state_dict()) >= {"tau", "gate", "cores.0", "bias"}
-    # one gate parameter for every bond (each parameter tensor costs the optimizer and ZeRO per step)
-    assert [n for n, _ in layer.named_parameters()] == ["gate", "bias", *(f"cores.{k}" for k in range(len(layer.cores)))]
+    assert set(layer.state_dict()) == {"tau", "gate", "core", "bias"}
+    # one core and one gate parameter for the layer (each parameter tensor costs the optimizer and ZeRO per step)
+    assert [n for n, _ in layer.named_parameters()] == ["core", "gate", "bias"]
     assert [tuple(g.shape) for g in layer.gates] == [(r,) for r in layer.bond_dims()]
     size = layer.gate.element_size()  # the views share the parameter's storage, each at its bond's offset
     assert all(g.data_ptr() == layer.gate.data_ptr() + size * at for g, at in zip(layer.gates, layer.bond_offsets()))
+    assert [tuple(c.shape) for c in layer.cores] == layer.core_shapes() and layer.core.numel() == layer.param_count(False)
+    at = 0
+    for c in layer.cores:  # the cores too: views of the flat core, end to end
+        assert c.data_ptr() == layer.core.data_ptr() + size * at
+        at += c.numel()
 
 
 def test_bad_input_names_the_parameter():

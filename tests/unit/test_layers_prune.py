@@ -1,5 +1,7 @@
 """Physical pruning (``prune_``), rebuilding from ``tensor_shapes()`` and state_dict shape checks."""
 
+import re
+
 import pytest
 import torch
 
@@ -63,8 +65,9 @@ def test_loading_a_pruned_state_into_the_wrong_shapes_names_key_and_shapes():
     layer = TTLinear(24, 30, num_cores=4, max_rank=4)
     pruned = TTLinear(24, 30, num_cores=4, max_rank=4)
     pruned.prune_({1: torch.tensor([0, 2])})
-    with pytest.raises(ValueError, match=r"state_dict\['cores.1'\] has shape \(4, 4, 2\) but this TTLinear "
-                                         r"expects \(4, 4, 4\).*ranks=\[1, 4, 2, 4, 1\]"):
+    shapes = re.escape(str(layer.core_shapes()))
+    with pytest.raises(ValueError, match=rf"state_dict\['core'\] has shape \({pruned.core.numel()},\) but this "
+                                         rf"TTLinear expects \({layer.core.numel()},\) \(core shapes {shapes}\)"):
         layer.load_state_dict(pruned.state_dict())
     outer = torch.nn.Sequential(TTEmbedding(30, 8, num_cores=2, max_rank=4))
     bad = outer.state_dict()
@@ -73,21 +76,28 @@ def test_loading_a_pruned_state_into_the_wrong_shapes_names_key_and_shapes():
         outer.load_state_dict(bad)
 
 
-def test_a_state_dict_with_one_gate_parameter_per_bond_still_loads():
-    """Checkpoints written before the single gate vector hold ``gates.k`` per bond: they load, in order."""
+def test_a_state_dict_with_one_parameter_per_core_and_per_bond_still_loads():
+    """Checkpoints written before the flat layout hold ``cores.k`` per core and ``gates.k`` per bond:
+    they load, in order, and a piece of the wrong shape is an error naming it."""
     src = TTLinear(24, 30, num_cores=4, max_rank=4)
     src.prune_({1: torch.tensor([0, 2])})
     with torch.no_grad():
         src.gate.copy_(torch.randn(src.gate.shape))
-    old = {k: v for k, v in src.state_dict().items() if k != "gate"}
+    old = {k: v for k, v in src.state_dict().items() if k not in ("gate", "core")}
     old.update({f"gates.{k}": g.clone() for k, g in enumerate(src.gates)})  # (4,), (2,), (4,)
+    old.update({f"cores.{k}": c.clone() for k, c in enumerate(src.cores)})  # (1, 6, 4), (4, 4, 2), ...
     dst = TTLinear(24, 30, num_cores=4, max_rank=4)
     dst.prune_({1: torch.tensor([0, 1])})
-    dst.load_state_dict(old)
-    assert torch.equal(dst.gate, src.gate) and dst.ranks() == src.ranks()
-    old["gates.1"] = torch.ones(3)
+    dst.load_state_dict(dict(old))
+    assert torch.equal(dst.gate, src.gate) and dst.ranks() == src.ranks() and torch.equal(dst.core, src.core)
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+    bad = {**old, "gates.1": torch.ones(3)}
     with pytest.raises(ValueError, match=r"state_dict\['gates.1'\] has shape \(3,\) but this TTLinear expects \(2,\)"):
-        dst.load_state_dict(old)
+        dst.load_state_dict(bad)
+    with pytest.raises(ValueError, match=r"state_dict\['cores.1'\] has shape \(4, 4, 2\) but this TTLinear "
+                                         r"expects \(4, 4, 4\).*ranks=\[1, 4, 2, 4, 1\]"):
+        TTLinear(24, 30, num_cores=4, max_rank=4).load_state_dict(dict(old))
 
 
 def test_prune_bad_input():

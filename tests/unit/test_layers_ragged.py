@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from comera_dist.bench.ops import OpCounter
-from comera_dist.layers.ragged import padded_segments, padded_stack
+from comera_dist.layers.base import split_flat
+from comera_dist.layers.ragged import padded_cores, padded_segments, padded_stack
 
 
 def test_padded_stack_equals_pad_then_stack_forward_and_backward():
@@ -26,6 +27,31 @@ def test_padded_stack_equals_pad_then_stack_forward_and_backward():
     want_g = torch.autograd.grad((want * w).sum(), xs)
     for a, b in zip(got_g, want_g, strict=True):
         assert torch.equal(a, b)
+
+
+def test_padded_cores_equal_padded_stack_core_by_core_forward_and_backward():
+    """Every layer's flat ``core`` into the group's padded cores with one gather, against splitting
+    each layer's cores and ``padded_stack``-ing them core by core (itself checked against ``F.pad``)."""
+    g = torch.Generator().manual_seed(2)
+    shapes = (((1, 3, 2), (2, 4, 3), (3, 2, 1)), ((1, 3, 1), (1, 4, 3), (3, 2, 1)), ((1, 3, 2), (2, 4, 2), (2, 2, 1)))
+    flats = [torch.randn(sum(a * b * c for a, b, c in s), generator=g, dtype=torch.float64, requires_grad=True)
+             for s in shapes]
+    want = [padded_stack([split_flat(f, s)[k] for f, s in zip(flats, shapes)]) for k in range(3)]
+    padded_cores(flats, shapes)  # builds and caches the index
+    with OpCounter() as ops:
+        got = padded_cores(flats, shapes)
+    assert [tuple(c.shape) for c in got] == [(3, 1, 3, 2), (3, 2, 4, 3), (3, 3, 2, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert sum(ops.ops.values()) - ops.views == 3 and not ops.syncs, ops.ops  # one cat and one gather in all
+    ws = [torch.randn(c.shape, generator=g, dtype=torch.float64) for c in want]
+    got_g = torch.autograd.grad(sum((c * w).sum() for c, w in zip(got, ws)), flats)
+    want_g = torch.autograd.grad(sum((c * w).sum() for c, w in zip(want, ws)), flats)
+    for a, b in zip(got_g, want_g, strict=True):
+        assert torch.equal(a, b)
+    same = padded_cores(flats[:1] * 2, shapes[:1] * 2)  # equal shapes: one stack, viewed
+    assert all(torch.equal(c[0], c[1]) and torch.equal(c[0], v) for c, v in zip(same, split_flat(flats[0], shapes[0])))
+    compiled = torch.compile(lambda *f: padded_cores(f, shapes), fullgraph=True, backend="eager")(*flats)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, want, strict=True))
 
 
 def test_padded_segments_pads_every_segment_to_its_widest():

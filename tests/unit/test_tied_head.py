@@ -38,7 +38,7 @@ def test_every_order_matches_the_densified_table_forward_and_backward(num_cores)
     head = _with_bias(TiedTTHead(emb, bias=True))
     h = torch.randn(2, 5, 12, dtype=torch.float64)
     w = torch.randn(2, 5, 61, dtype=torch.float64)
-    params = [*emb.cores, emb.gate, head.bias]
+    params = [emb.core, emb.gate, head.bias]
     h.requires_grad_(True)
     want_out = h @ emb.table().t() + head.bias  # (B, T, V): the densified reference
     want = torch.autograd.grad((want_out * w).sum(), [h, *params])
@@ -56,7 +56,8 @@ def test_every_order_matches_the_densified_table_forward_and_backward(num_cores)
     assert emb.gate.grad is None  # autograd.grad so far; now .grad lands on the shared Parameters
     head.order = "auto"
     (head(h) * w).sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (*emb.cores, head.bias))
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (emb.core, head.bias))
+    assert all(g.abs().sum() > 0 for g in emb.split_cores(emb.core.grad))  # every core's part
 
 
 @pytest.mark.parametrize("num_cores", [2, 3, 4])
@@ -141,11 +142,11 @@ class _Tied(nn.Module):
 def test_shared_cores_are_counted_sliced_and_optimized_once():
     model = _Tied()
     assert [n for n, _ in tensorized_modules(model)] == ["word"]
-    assert [n for n, _ in model.named_modules()] == ["", "word", "word.cores", "head"]
-    assert set(model.state_dict()) == {*(f"word.cores.{k}" for k in range(3)), "word.gate", "word.tau", "head.bias"}
+    assert [n for n, _ in model.named_modules()] == ["", "word", "head"]
+    assert set(model.state_dict()) == {"word.core", "word.gate", "word.tau", "head.bias"}
     groups = param_groups(model, LrConfig())
     ids = [id(p) for g in groups for p in g["params"]]
-    assert len(ids) == len(set(ids)) == len(list(model.parameters())) == 5
+    assert len(ids) == len(set(ids)) == len(list(model.parameters())) == 3
     rep = compression_report(model)
     assert rep["leftover_params"] == 40 and rep["dense_params_tensorized"] == 40 * 12  # head bias; one table
     # Prune the embedding's dead rank: the head sees the sliced cores, the output is unchanged.

@@ -82,7 +82,7 @@ class TensorizedModule(nn.Module):
         if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and tau > 0):
             raise ValueError(f"tau must be a number > 0 (the gate threshold), got {tau!r}")
         self._shapes = tuple(tuple(int(n) for n in c.shape) for c in cores)
-        self.core = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
+        self.core = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))  # no ParameterList: see core_list
         self._bonds = tuple(s[-1] for s in self._shapes[:-1])
         self.gate = nn.Parameter(torch.ones(sum(self._bonds), dtype=cores[0].dtype, device=cores[0].device))
         self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
@@ -112,7 +112,9 @@ class TensorizedModule(nn.Module):
         return tuple(self.split_cores(self.core))
 
     def core_list(self) -> list[Tensor]:
-        """``cores`` as a list: the views the forward contracts (a differentiable split of ``core``)."""
+        """``cores`` as a list: the views the forward contracts (a differentiable split of ``core``).
+        Also what torch 2.11's Dynamo needs: it cannot unpack an ``nn.ParameterList``, which the
+        cores were before the flat layout (the compiled trainer failed on the H200 image's 2.11)."""
         return self.split_cores(self.core)
 
     # ---- gates -------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from comera_dist.layers.base import split_flat
+
 Shapes = tuple[tuple[int, ...], ...]
 
 
@@ -63,7 +65,7 @@ def padded_cores(flats: Sequence[Tensor], shapes: Sequence[Shapes]) -> list[Tens
         return split_stacked(torch.stack(list(flats)), shapes[0])
     tops = tuple(_top(tuple(s[k] for s in shapes)) for k in range(len(shapes[0])))
     if torch.compiler.is_compiling():
-        per = [[p.view(c) for p, c in zip(f.split([math.prod(c) for c in s]), s)] for f, s in zip(flats, shapes)]
+        per = [split_flat(f, s) for f, s in zip(flats, shapes)]
         return [padded_stack([cores[k] for cores in per]) for k in range(len(tops))]
     return split_stacked(_gather(flats, _flat_index(shapes, flats[0].device)), tops)
 

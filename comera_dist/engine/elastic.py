@@ -54,9 +54,11 @@ def upgrade_layout(payload: dict[str, Any]) -> dict[str, Any]:
     Layout 1 had one ``<layer>.gates.<k>`` parameter per bond, layouts 1 and 2 one ``<layer>.cores.<k>``
     per core. Each layer's pieces, and their AdamW moments, are flattened and concatenated in order
     into ``<layer>.gate`` and ``<layer>.core`` (``TensorizedModule``'s views read them back at the
-    shapes the rebuilt model knows). Everything else is kept as it is.
+    shapes the rebuilt model knows), and the cores' interior ranks become the ``<layer>.bond_sizes``
+    buffer the flat layout records, which the load compares with the rebuilt model's. Everything
+    else is kept as it is.
     """
-    params, moments = dict(payload["params"]), dict(payload["moments"])
+    params, moments, buffers = dict(payload["params"]), dict(payload["moments"]), dict(payload["buffers"])
     for pattern, leaf in ((_BOND_GATE, "gate"), (_CORE, "core")):
         layers: dict[str, dict[int, str]] = {}
         for name in params:
@@ -69,10 +71,13 @@ def upgrade_layout(payload: dict[str, Any]) -> dict[str, Any]:
                                  f"not 0..{len(pieces) - 1}")
             names = [pieces[k] for k in range(len(pieces))]
             new = f"{prefix}.{leaf}" if prefix else leaf
+            if leaf == "core":
+                bonds = [int(params[n].shape[-1]) for n in names[:-1]]
+                buffers[f"{prefix}.bond_sizes" if prefix else "bond_sizes"] = torch.tensor(bonds, dtype=torch.int64)
             params[new] = torch.cat([params.pop(n).reshape(-1) for n in names])
             states = [moments.pop(n, {}) for n in names]
             moments[new] = {k: torch.cat([s[k].reshape(-1) for s in states]) for k in MOMENTS} if all(states) else {}
-    return {**payload, "params": params, "moments": moments}
+    return {**payload, "params": params, "moments": moments, "buffers": buffers}
 
 
 def schedule_position(engine) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from deepspeed.utils import safe_get_full_optimizer_state
 from torch import Tensor, nn
 
 from comera_dist.compression.pruning import PruningPlan, apply_plan, make_plan
+from comera_dist.compression.walk import tensorized_modules
 from comera_dist.engine.device import accelerator_device
 from comera_dist.engine.hooks import full_fp32, full_shape, set_full
 
@@ -113,6 +114,11 @@ def load_full_state(model: nn.Module, state: FullState) -> None:
     missing, unexpected = sorted(set(own) - set(source)), sorted(set(source) - set(own))
     if missing or unexpected:
         raise ValueError(f"model/state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, layer in tensorized_modules(model):  # equal shapes of flat cores do not mean equal cores
+        saved = source[f"{name}.bond_sizes"].tolist()
+        if saved != layer.bond_dims():
+            raise ValueError(f"{name}: the state's bond sizes {saved} differ from the model's {layer.bond_dims()}; "
+                             f"a pruned state needs the model at its shapes")
     with torch.no_grad():
         for name, t in own.items():
             if tuple(t.shape) != tuple(source[name].shape):

@@ -377,7 +377,8 @@ class TrainSession:
 
     # ------------------------------------------------------------------ compression state
     def compression_report(self) -> dict[str, Any]:
-        """``compression.compression_report`` of the model (ZeRO-3 aware: shapes from ``ds_shape``)."""
+        """``compression.compression_report`` of the model (ZeRO-3 aware: core shapes from the layers'
+        ``core_shapes()``, other parameters' from ``ds_shape``)."""
         with gathered([r.param for r in gate_refs(self.module)]):
             return compression_report(self.module)
 

@@ -3,10 +3,12 @@
 Rank adaptation is explicit state: ``core`` is one ``nn.Parameter`` holding every core flattened end
 to end (``cores`` are its views ``(r_{k-1}, modes..., r_k)``, shapes kept in ``core_shapes()``),
 ``gate`` one ``nn.Parameter`` holding every interior bond's gates end to end (``gates`` are its
-per-bond views), ``tau`` a buffer, so all of it rides in the ``state_dict``. One core and one gate
-parameter per layer instead of one per core and bond: every parameter tensor costs the optimizer,
-ZeRO's gradient bookkeeping and autograd a fixed handful of ops per step whatever its size (a
-six-encoder has 216 cores and 188 bonds in 38 layers). The mask ``m(g) = g * [g > tau]`` is computed
+per-bond views), ``tau`` a buffer, so all of it rides in the ``state_dict``, with the buffer
+``bond_sizes`` (int64, the physical interior ranks) recording the shapes a flat ``core`` cannot show:
+two layers pruned differently can hold the same number of elements. One core and one gate parameter
+per layer instead of one per core and bond: every parameter tensor costs the optimizer, ZeRO's
+gradient bookkeeping and autograd a fixed handful of ops per step whatever its size (a six-encoder
+has 226 cores and 188 bonds in 38 layers). The mask ``m(g) = g * [g > tau]`` is computed
 in every forward and never written back, so pruning by gates is reversible until ``prune_`` slices
 the cores physically (a prune makes new parameters at the new shapes).
 """
@@ -75,6 +77,7 @@ class TensorizedModule(nn.Module):
     core: nn.Parameter
     gate: nn.Parameter
     tau: Tensor
+    bond_sizes: Tensor
     _shapes: tuple[tuple[int, ...], ...]
     _bonds: tuple[int, ...]
 
@@ -86,6 +89,10 @@ class TensorizedModule(nn.Module):
         self._bonds = tuple(s[-1] for s in self._shapes[:-1])
         self.gate = nn.Parameter(torch.ones(sum(self._bonds), dtype=cores[0].dtype, device=cores[0].device))
         self.register_buffer("tau", torch.tensor(float(tau), dtype=torch.float32, device=cores[0].device))
+        self.register_buffer("bond_sizes", self._bond_tensor(cores[0].device))
+
+    def _bond_tensor(self, device: torch.device) -> Tensor:
+        return torch.tensor(self._bonds, dtype=torch.int64, device=device)
 
     # ---- cores -------------------------------------------------------------------------
 
@@ -197,6 +204,7 @@ class TensorizedModule(nn.Module):
         self.core = _like(self.core, core)
         self.gate = _like(self.gate, self.gate.index_select(0, keep))
         self._bonds = tuple(s[-1] for s in self._shapes[:-1])
+        self.bond_sizes = self._bond_tensor(self.bond_sizes.device)
 
     def gate_index(self, kept: dict[int, Tensor]) -> Tensor:
         """Positions in ``gate`` that survive keeping ``kept[k]`` of bond ``k`` (other bonds whole)."""
@@ -211,6 +219,7 @@ class TensorizedModule(nn.Module):
         full = self.core.numel() == sum(math.prod(s) for s in self._shapes)  # not an empty ZeRO-3 shard
         self._upgrade(state_dict, prefix, "cores", "core", list(self._shapes), full)  # first: its error names the ranks
         self._upgrade(state_dict, prefix, "gates", "gate", [(r,) for r in self._bonds], full)
+        self._check_bonds(state_dict, prefix)
         # the local shapes: under ZeRO-3 a rank's module tensors and its state_dict's are both empty
         for key, shape in ((f"{prefix}core", tuple(self.core.shape)), (f"{prefix}gate", tuple(self.gate.shape))):
             if key in state_dict and tuple(state_dict[key].shape) != shape:
@@ -220,6 +229,20 @@ class TensorizedModule(nn.Module):
                     f"checkpoint needs a model built with its ranks (its meta's plans, or the export's shapes)")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    def _check_bonds(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """The state's ``bond_sizes`` must be this layer's: equal element counts do not mean equal
+        shapes (a layer pruned to ranks [2, 4, 4] and one pruned to [4, 4, 2] can both hold 240). A
+        state without the buffer was written before it, one parameter per core, whose shapes
+        ``_upgrade`` has just checked piece by piece: it takes this layer's."""
+        key = f"{prefix}bond_sizes"
+        if key not in state_dict:
+            state_dict[key] = self.bond_sizes.clone()
+        elif state_dict[key].tolist() != list(self._bonds):
+            raise ValueError(
+                f"state_dict[{key!r}] is {state_dict[key].tolist()} but this {type(self).__name__} has bond sizes "
+                f"{list(self._bonds)}; a pruned checkpoint needs a model built with its ranks "
+                f"(ranks={[1, *state_dict[key].tolist(), 1]})")
 
     def _upgrade(self, state_dict: dict[str, Any], prefix: str, old: str, new: str,
                  shapes: list[tuple[int, ...]], full: bool) -> None:

@@ -79,7 +79,7 @@ def split_stacked(stacked: Tensor, shapes: Shapes) -> list[Tensor]:
 def _top(shapes: Shapes) -> tuple[int, ...]:
     """The largest size along every dim (or segment)."""
     if len({len(s) for s in shapes}) != 1:
-        raise ValueError(f"padded_stack/padded_segments: inputs must have the same number of dims (segments), "
+        raise ValueError(f"padded_stack/padded_segments/padded_cores: inputs must have the same number of dims (segments), "
                          f"got {list(shapes)}")
     return tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
 

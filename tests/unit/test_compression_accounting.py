@@ -81,19 +81,19 @@ def _partition_like_zero3(p: nn.Parameter) -> None:
     p.data = torch.empty(0, dtype=p.dtype)
 
 
-def test_partitioned_cores_are_counted_from_ds_shape():
+def test_partitioned_cores_are_counted_from_their_recorded_shapes():
+    """Under ZeRO-3 a rank's flat ``core`` is an empty shard: S and the report come from the layers'
+    ``core_shapes()`` and the leftovers from ``ds_shape``, never from the local tensors."""
     m = _small()
     _kill(m.lin.gates[1], [0])
     expected = compression_report(m)
     for layer in (m.lin, m.emb):
-        for c in layer.cores:
-            _partition_like_zero3(c)
+        _partition_like_zero3(layer.core)
+        assert layer.core.numel() == 0 and layer.core_shapes() and layer.param_count(active=False) > 0
     _partition_like_zero3(m.norm.weight)
     assert model_size(m) == expected["size"]
     got = compression_report(m)
     assert got["layers"] == expected["layers"] and got["leftover_params"] == expected["leftover_params"]
-    # an explicit shape_of wins over ds_shape
-    assert model_size(m, shape_of=lambda p: p.ds_shape if hasattr(p, "ds_shape") else p.shape) == expected["size"]
 
 
 def test_partitioned_gate_is_an_error_not_a_zero_rank():

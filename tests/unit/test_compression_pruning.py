@@ -160,7 +160,7 @@ def test_fresh_model_built_from_the_plan_loads_the_pruned_state_dict():
     apply_plan(net, plan)
     state = net.state_dict()
 
-    with pytest.raises(ValueError, match=r"state_dict\['emb.core'\] has shape"):
+    with pytest.raises(ValueError, match=r"state_dict\['emb.bond_sizes'\] is \[2, 4\] but this TTEmbedding has bond sizes \[4, 4\]"):
         Net(seed=5).load_state_dict(state)  # unpruned shapes are refused, by name
 
     fresh = Net(seed=5)

@@ -112,7 +112,7 @@ def test_gates_mask_without_overwriting():
     with torch.no_grad():
         layer.gates[-1][1] = 1.0
     assert layer.ranks()[-1] == layer.bond_dims()[-1]
-    assert set(layer.state_dict()) == {"tau", "gate", "core", "bias"}
+    assert set(layer.state_dict()) == {"tau", "gate", "core", "bond_sizes", "bias"}
     # one core and one gate parameter for the layer (each parameter tensor costs the optimizer and ZeRO per step)
     assert [n for n, _ in layer.named_parameters()] == ["core", "gate", "bias"]
     assert [tuple(g.shape) for g in layer.gates] == [(r,) for r in layer.bond_dims()]

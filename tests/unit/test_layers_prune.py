@@ -65,10 +65,22 @@ def test_loading_a_pruned_state_into_the_wrong_shapes_names_key_and_shapes():
     layer = TTLinear(24, 30, num_cores=4, max_rank=4)
     pruned = TTLinear(24, 30, num_cores=4, max_rank=4)
     pruned.prune_({1: torch.tensor([0, 2])})
+    with pytest.raises(ValueError, match=r"state_dict\['bond_sizes'\] is \[4, 2, 4\] but this TTLinear has bond sizes "
+                                         r"\[4, 4, 4\].*ranks=\[1, 4, 2, 4, 1\]"):
+        layer.load_state_dict(pruned.state_dict())
+    # Equal element counts are not equal shapes: ranks [2, 4, 4] and [4, 4, 2] of mirror-image modes both
+    # hold 240 core and 10 gate entries; the flat core alone would load, scrambled.
+    a = TTLinear(64, 64, in_modes=[8, 8], out_modes=[8, 8], ranks=[1, 2, 4, 4, 1])
+    b = TTLinear(64, 64, in_modes=[8, 8], out_modes=[8, 8], ranks=[1, 4, 4, 2, 1])
+    assert a.core.shape == b.core.shape and a.gate.shape == b.gate.shape
+    with pytest.raises(ValueError, match=r"state_dict\['bond_sizes'\] is \[2, 4, 4\] but this TTLinear has bond sizes \[4, 4, 2\]"):
+        b.load_state_dict(a.state_dict())
+    # Without the record (a hand-made state), a wrong element count is still named with the layer's shapes.
+    bad = {k: v for k, v in pruned.state_dict().items() if k != "bond_sizes"}
     shapes = re.escape(str(layer.core_shapes()))
     with pytest.raises(ValueError, match=rf"state_dict\['core'\] has shape \({pruned.core.numel()},\) but this "
                                          rf"TTLinear expects \({layer.core.numel()},\) \(core shapes {shapes}\)"):
-        layer.load_state_dict(pruned.state_dict())
+        layer.load_state_dict(bad)
     outer = torch.nn.Sequential(TTEmbedding(30, 8, num_cores=2, max_rank=4))
     bad = outer.state_dict()
     bad["0.gate"] = torch.ones(3)

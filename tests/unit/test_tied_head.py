@@ -143,7 +143,7 @@ def test_shared_cores_are_counted_sliced_and_optimized_once():
     model = _Tied()
     assert [n for n, _ in tensorized_modules(model)] == ["word"]
     assert [n for n, _ in model.named_modules()] == ["", "word", "head"]
-    assert set(model.state_dict()) == {"word.core", "word.gate", "word.tau", "head.bias"}
+    assert set(model.state_dict()) == {"word.core", "word.gate", "word.tau", "word.bond_sizes", "head.bias"}
     groups = param_groups(model, LrConfig())
     ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == len(list(model.parameters())) == 3

@@ -14,7 +14,8 @@
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
 # six-encoder (eager and CUDA-graph modes); bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml,
 # 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch), eager (also in bf16 without
-# DeepSpeed's per-gradient overflow check, deepspeed.bf16_overflow_check=false) and then compiled with
+# DeepSpeed's per-gradient overflow check, deepspeed.bf16_overflow_check=false, and, as trainer-rate-lean, also
+# without ZeRO's contiguous gradient buffer, deepspeed.contiguous_gradients=false) and then compiled with
 # train.compile_mode=reduce-overhead (CUDA graphs). Each step is bounded by `timeout` and by what is left of the budget; a failed step does
 # not stop the others. Exit 0 only if every step passed.
 set -euo pipefail
@@ -82,7 +83,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder trainer-rate trainer-rate-nocheck trainer-rate-graphs"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder trainer-rate trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -160,6 +161,10 @@ run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/tra
 # the same without DeepSpeed's per-gradient bf16 overflow check (deepspeed.bf16_overflow_check=false)
 run_step trainer-rate-nocheck "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.precision=bf16 \
   --set deepspeed.bf16_overflow_check=false --json "$OUT/trainer-rate-nocheck.json"
+# and also without ZeRO's contiguous gradient buffer (deepspeed.contiguous_gradients=false: fewer per-tensor ops)
+run_step trainer-rate-lean "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.precision=bf16 \
+  --set deepspeed.bf16_overflow_check=false --set deepspeed.contiguous_gradients=false \
+  --json "$OUT/trainer-rate-lean.json"
 # the same with the trainer compiled in reduce-overhead mode: its forward and backward replay as CUDA graphs;
 # TORCH_LOGS names every recompile and every CUDA-graph skip (the compiled trainer was 44 ms slower per step
 # than its own session step on the H200, undiagnosed)

@@ -120,6 +120,14 @@ class DeepSpeedSection:
     with exit 3 and no new checkpoint (resume from the last one). fp32 needs no such
     check: DeepSpeed finds non-finite gradients from the gradient norm it computes anyway. ZeRO-3
     skips a step with non-finite bf16 gradients either way."""
+    contiguous_gradients: bool = True
+    """ZeRO 1-2: DeepSpeed copies every gradient into one contiguous partition buffer as the backward
+    produces it (its default; against memory fragmentation with large tensors). ``false`` leaves the
+    gradients where autograd put them and flattens the partition at the step: one six-encoder bf16
+    step at ZeRO 1 on one CPU rank goes from 7,598 to 6,447 aten ops (the per-tensor copy and bucket
+    work), which matters on a launch-bound GPU; CoMERA's tensors are small, so fragmentation is not
+    the concern it is for dense models. Training is the same either way (tested on 2 ranks at ZeRO 1
+    and 2). Not timed on a GPU yet. Only ZeRO 1-2 (``zero_stage`` 1 or 2) take ``false``."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW ``(beta1, beta2)``, each in [0, 1)."""
     adam_eps: float = 1e-8
@@ -149,6 +157,9 @@ class DeepSpeedSection:
                 "bf16 through its FP16_Optimizer wrapper, whose flat fp32 masters and moments map to no "
                 "parameter, so checkpoints and the prune rebuild could not read them; stage 1 on one GPU "
                 "partitions nothing and keeps a per-parameter mapping")
+        if not self.contiguous_gradients and self.zero_stage not in (1, 2):
+            raise ValueError(f"deepspeed.contiguous_gradients=false is a ZeRO 1-2 setting, got zero_stage "
+                             f"{self.zero_stage}")
         for name in ("train_batch_size", "micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -235,6 +246,8 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
         },
         "zero_optimization": {"stage": section.zero_stage},
     }
+    if section.zero_stage in (1, 2):
+        ds["zero_optimization"]["contiguous_gradients"] = section.contiguous_gradients
     if section.zero_stage == 3:
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = section.stage3_param_persistence_threshold
     if section.precision == "bf16":

@@ -76,6 +76,26 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
         s.engine.destroy()
     out.update(_features(rank, world_size, outdir))
     out["bf16-check"] = _bf16_check_cases(rank, world_size, outdir)
+    out["contiguous"] = _contiguous_cases(rank, world_size, outdir)
+    return out
+
+
+def _contiguous_cases(rank: int, world_size: int, outdir: str) -> dict:
+    """Three steps with and without ``deepspeed.contiguous_gradients`` (ZeRO 1 bf16, ZeRO 2 fp32 with
+    two micro-batches): the losses and the final weights, and what DeepSpeed was told."""
+    from comera_dist.engine.session import TrainSession
+
+    out: dict = {}
+    for stage, precision, accum in ((1, "bf16", 1), (2, "fp32", 2)):
+        for contiguous in (True, False):
+            cfg = tiny_config(f"{outdir}/contig{stage}{contiguous}", zero_stage=stage, precision=precision,
+                              accumulation=accum, contiguous_gradients=contiguous)
+            s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+            losses = [s.train_step([batch(step, rank, m) for m in range(accum)]).task_loss for step in (1, 2, 3)]
+            out[(stage, contiguous)] = {"losses": losses, "params": full_params(s),
+                                        "told": s.engine.zero_contiguous_gradients(),
+                                        "engine": s.engine.optimizer.contiguous_gradients}
+            s.engine.destroy()
     return out
 
 
@@ -241,6 +261,21 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
     s.engine.destroy()
     return out
 
+
+
+def test_contiguous_gradients_off_trains_the_same(short_runs):
+    """``deepspeed.contiguous_gradients=false`` (fewer per-tensor ops) at ZeRO 1 and 2 on 2 ranks: DeepSpeed
+    runs without the contiguous buffer, and the losses and weights are those of the default."""
+    for rank in (0, 1):
+        got = short_runs[rank]["contiguous"]
+        for stage in (1, 2):
+            on, off = got[(stage, True)], got[(stage, False)]
+            assert (on["told"], on["engine"], off["told"], off["engine"]) == (True, True, False, False), stage
+            torch.testing.assert_close(torch.tensor(off["losses"]), torch.tensor(on["losses"]), rtol=1e-5, atol=1e-6)
+            assert on["losses"][2] != on["losses"][0]  # it trained
+            for name, value in on["params"].items():
+                torch.testing.assert_close(off["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"z{stage} {name}")
+    assert short_runs[0]["contiguous"][(2, False)]["losses"] == short_runs[1]["contiguous"][(2, False)]["losses"]
 
 
 def test_bf16_overflow_check_can_be_turned_off(short_runs):

@@ -32,7 +32,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                        {k: v for k, v in logs.items() if any(f in k for f in failed)})
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder", "trainer-rate",
-                                                     "trainer-rate-nocheck", "trainer-rate-graphs"]
+                                                     "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
@@ -48,6 +48,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     nocheck = json.loads((out / "trainer-rate-nocheck.json").read_text())
     assert {"deepspeed.precision=bf16", "deepspeed.bf16_overflow_check=false"} <= set(nocheck["config"]["overrides"])
     assert summary["metrics"]["trainer-rate-nocheck"]["trainer_tokens_per_s"] > 0
+    lean = json.loads((out / "trainer-rate-lean.json").read_text())
+    assert {"deepspeed.bf16_overflow_check=false", "deepspeed.contiguous_gradients=false"} <= set(lean["config"]["overrides"])
+    assert summary["metrics"]["trainer-rate-lean"]["trainer_tokens_per_s"] > 0
     graphs = (out / "logs" / "trainer-rate-graphs.log").read_text()
     assert "torch.compile (aot_eager, mode reduce-overhead): engine compiled = True" in graphs  # trainer and session
     assert summary["metrics"]["trainer-rate-graphs"]["trainer_tokens_per_s"] > 0

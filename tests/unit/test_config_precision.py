@@ -42,6 +42,21 @@ def test_bf16_overflow_check_reaches_the_deepspeed_json_and_is_a_boolean():
         build_run_config(RUN | {"deepspeed": {**section, "bf16_overflow_check": "no"}})
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_contiguous_gradients_reaches_the_deepspeed_json_at_zero_1_and_2_only(stage):
+    section = {"micro_batch_size_per_gpu": 2, "zero_stage": stage, "contiguous_gradients": False}
+    ds = to_deepspeed_dict(build_run_config(RUN | {"deepspeed": section}).deepspeed, 2, total_steps=4, group_lrs=[1e-3])
+    assert ds["zero_optimization"] == {"stage": stage, "contiguous_gradients": False}
+    default = to_deepspeed_dict(build_run_config(RUN | {"deepspeed": {**section, "contiguous_gradients": True}}).deepspeed,
+                                2, total_steps=4, group_lrs=[1e-3])
+    assert default["zero_optimization"]["contiguous_gradients"] is True  # DeepSpeed's own default, stated
+    for other in (0, 3):
+        with pytest.raises(ConfigError, match=rf"deepspeed\.contiguous_gradients=false is a ZeRO 1-2 setting, got zero_stage {other}"):
+            build_run_config(RUN | {"deepspeed": {**section, "zero_stage": other}})
+    with pytest.raises(ConfigError, match=r"deepspeed\.contiguous_gradients"):
+        build_run_config(RUN | {"deepspeed": {**section, "contiguous_gradients": "no"}})
+
+
 def test_bf16_at_zero_stage_0_is_refused_naming_both_keys():
     """DeepSpeed trains bf16 at stage 0 through FP16_Optimizer, whose flat state maps to no parameter:
     a checkpoint of it failed with KeyError 'exp_avg' (engine.prune.gather_full_state)."""

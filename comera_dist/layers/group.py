@@ -132,9 +132,13 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
     return (*Ls, *Rs, total, count)
 
 
-def project(layer: nn.Module, x: Tensor, factors: Factors | None) -> Tensor:
-    """``layer(x)``, with the layer's shared factors when ``factors`` holds them."""
+def project(layer: nn.Module, x: Tensor, factors: Factors | None, *, gelu_input: bool = False) -> Tensor:
+    """``layer(x)``, with the layer's shared factors when ``factors`` holds them.
+
+    ``gelu_input``: ``layer(gelu(x))``, fused (``tensor.fused``); ``layer`` is a ``TTLinear`` or a
+    ``layers.dense.Linear``."""
+    kw = {"gelu_input": True} if gelu_input else {}
     lr = None if factors is None else factors.get(id(layer))
     if lr is None:
-        return layer(x)
-    return layer(x, factors=lr)
+        return layer(x, **kw)
+    return layer(x, factors=lr, **kw)

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.kernels import dispatch
@@ -121,12 +122,15 @@ class TTLinear(TensorizedModule):
 
     # ---- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, factors: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor, factors: tuple[Tensor, Tensor] | None = None, *, gelu_input: bool = False) -> Tensor:
         """x: (..., in_features) -> (..., out_features).
 
         factors: this layer's ``(L, R)`` already contracted by the caller (``layers.group.
         shared_factors`` contracts same-shape layers together); then the ``lr`` order runs
         whatever the token count, since the factors are paid for.
+        gelu_input: the layer of ``gelu(x)``; in the ``lr`` order GELU is fused into ``x L``
+        (``contract.tt_linear_lr_gelu``, which bypasses ``kernels.dispatch``), so autograd keeps
+        ``x`` alone.
         """
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
@@ -136,8 +140,11 @@ class TTLinear(TensorizedModule):
         if order == "lr":
             L, R = factors if factors is not None else \
                 on_one_thread(self._halves, self.core, self.gate)  # (N_in, r_d), (r_d, N_out)
-            y = dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
+            y = contract.tt_linear_lr_gelu(x2d, L, R, self.bias) if gelu_input else \
+                dispatch.tt_linear(x2d, L, R, self.bias)  # (T, N_out)
         else:
+            if gelu_input:
+                x2d = F.gelu(x2d)
             if order == "sequential":
                 cores = self.core_list()
                 y = contract.tt_linear_sequential(x2d, cores, self.masked_gates(), self.d)  # (T, N_out)

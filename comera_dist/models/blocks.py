@@ -60,7 +60,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor, factors: Factors | None = None) -> Tensor:
         """x: (B, T, C) -> (B, T, C); factors as in ``SelfAttention.forward``."""
-        return project(self.out, F.gelu(project(self.inp, x, factors)), factors)  # (B, T, ffn) -> (B, T, C)
+        u = project(self.inp, x, factors)  # (B, T, ffn)
+        return project(self.out, u, factors, gelu_input=True)  # gelu fused into out: only u is saved
 
 
 class BertEmbeddings(nn.Module):

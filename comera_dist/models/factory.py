@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 from torch import nn
 
 from comera_dist.layers import TiedTTHead, TTEmbedding, TTLinear
+from comera_dist.layers.dense import Linear
 
 LinearKind = Literal["attention", "ffn_in", "ffn_out"]
 FULL_RANK = 1 << 30
@@ -151,8 +152,8 @@ def tt_from_embedding(emb: nn.Embedding, spec: TensorizeSpec, *, max_rank: int |
                                       max_rank=spec.embedding_max_rank if max_rank is None else max_rank)
 
 
-def _dense_linear(in_features: int, out_features: int, bias: bool, init_std: float) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
+def _dense_linear(in_features: int, out_features: int, bias: bool, init_std: float) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias)
     nn.init.normal_(layer.weight, std=init_std)
     if bias:
         nn.init.zeros_(layer.bias)

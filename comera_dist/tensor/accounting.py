@@ -18,9 +18,13 @@ def ttm_params(row_modes: list[int], col_modes: list[int], ranks: list[int]) -> 
     return tt_params([m * n for m, n in zip(row_modes, col_modes)], ranks)
 
 
-def chain_flops(modes: list[int], ranks: list[int]) -> int:
-    """FLOPs of contracting 3-way cores left to right into ``(r_0, prod modes, r_last)``."""
+def chain_flops(modes: list[int], ranks: list[int], *, inward: bool = True) -> int:
+    """FLOPs of contracting 3-way cores into ``(r_0, prod modes, r_last)`` the way ``tt.chain`` does:
+    inward from the end whose outer rank is smaller (left to right on a tie); ``inward=False``
+    counts a plain left-to-right sweep (how the method doc's reference table builds ``R``)."""
     _check(modes, ranks)
+    if inward and ranks[0] > ranks[-1]:
+        modes, ranks = list(modes)[::-1], list(ranks)[::-1]
     flops, P = 0, ranks[0] * modes[0]
     for k in range(1, len(modes)):
         flops += 2 * P * ranks[k] * modes[k] * ranks[k + 1]

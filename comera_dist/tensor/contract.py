@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from comera_dist.tensor.fused import gelu_matmul
 from comera_dist.tensor.tt import build_precision, chain, scale_bonds
 
 
@@ -21,6 +22,13 @@ def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) ->
     """
     h = x @ L  # (T, r)
     return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out); bias fused into the GEMM
+
+
+def tt_linear_lr_gelu(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``tt_linear_lr(gelu(x), L, R, bias)`` with GELU fused into ``x L`` (``tensor.fused``): autograd
+    keeps ``x``, not ``gelu(x)`` too. Shapes as ``tt_linear_lr``."""
+    h = gelu_matmul(x, L)  # (T, r)
+    return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out)
 
 
 DEDUP = ("dynamic", "static")
@@ -121,7 +129,14 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
 def _halves_batched(cores: list[Tensor], masks: list[Tensor], d: int, G: int) -> tuple[Tensor, Tensor]:
     scaled = [c * masks[k].view(G, 1, 1, -1) if k < len(masks) else c for k, c in enumerate(cores)]  # one view op
 
-    def run(chain_cores: list[Tensor]) -> Tensor:
+    def run(chain_cores: list[Tensor]) -> Tensor:  # inward from the rank-1 end, as tt.chain
+        if chain_cores[0].shape[1] > chain_cores[-1].shape[3]:
+            z = chain_cores[-1]  # (G, r, n, r_D)
+            r_last = z.shape[3]
+            for c in chain_cores[-2::-1]:  # c: (G, r, n, r')
+                z = torch.bmm(c.reshape(G, -1, c.shape[3]), z.reshape(G, c.shape[3], -1))  # (G, r*n, P*r_D)
+                z = z.reshape(G, c.shape[1], -1, r_last)  # (G, r, n*P, r_D)
+            return z
         z = chain_cores[0]  # (G, r0, n, r1)
         r0 = z.shape[1]
         for c in chain_cores[1:]:  # c: (G, r, n, r')

@@ -52,9 +52,11 @@ def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: l
     d = len(in_modes)
     n_in, n_out, r_d = math.prod(in_modes), math.prod(out_modes), ranks[d]
     modes = list(in_modes) + list(out_modes)
-    # Chain intermediates of a build: (prod of modes so far) x r for every step.
+    # Chain intermediates of a build, each half contracted inward from its rank-1 end (``tt.chain``):
+    # (prod of modes so far) x the open rank, for every step.
     build_in = sum(math.prod(in_modes[:k + 1]) * ranks[k + 1] for k in range(d))
-    build_out = sum(ranks[d] * math.prod(out_modes[:k + 1]) * ranks[d + k + 1] for k in range(len(out_modes)))
+    out_rev, ranks_rev = out_modes[::-1], ranks[d:][::-1]
+    build_out = sum(math.prod(out_rev[:k + 1]) * ranks_rev[k + 1] for k in range(len(out_modes)))
     build_all = sum(math.prod(modes[:k + 1]) * ranks[k + 1] for k in range(len(modes)))
     # Sequential: each step's einsum keeps its input state (x's reshaped copy included).
     seq, rem, P = 0, n_in, 1

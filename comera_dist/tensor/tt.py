@@ -54,11 +54,28 @@ def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
     work, no_autocast = build_precision(cores[0])
     with no_autocast:
         cores = scale_bonds([c.to(work) for c in cores], None if masks is None else [m.to(work) for m in masks])
-        z = cores[0]  # (r0, n_1, r_1)
-        r0 = z.shape[0]
-        for c in cores[1:]:  # c: (r, n, r')
-            z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[-1])  # (r0, P*n, r')
+        z = _chain_in(cores)
     return z.to(out_dtype)
+
+
+def _chain_in(cores: list[Tensor]) -> Tensor:
+    """The product of ``cores``, contracted inward from the end whose outer rank is smaller.
+
+    A running product then carries one interior rank, never two: the right half of a TT linear,
+    ``R`` with outer ranks ``(r_d, 1)``, contracted left to right would hold ``(r_d, P, r_k)``,
+    ``r_k`` times as large as from the right (and as costly to build); autograd saves it.
+    """
+    if cores[0].shape[0] > cores[-1].shape[-1]:
+        z = cores[-1]  # (r_{D-1}, n_D, r_D)
+        r_last = z.shape[-1]
+        for c in cores[-2::-1]:  # c: (r, n, r')
+            z = (c.reshape(-1, c.shape[-1]) @ z.reshape(c.shape[-1], -1)).reshape(c.shape[0], -1, r_last)  # (r, n*P, r_D)
+        return z
+    z = cores[0]  # (r0, n_1, r_1)
+    r0 = z.shape[0]
+    for c in cores[1:]:  # c: (r, n, r')
+        z = (z.reshape(-1, c.shape[0]) @ c.reshape(c.shape[0], -1)).reshape(r0, -1, c.shape[-1])  # (r0, P*n, r')
+    return z
 
 
 def build_precision(like: Tensor) -> tuple[torch.dtype, torch.autocast]:

@@ -125,8 +125,8 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
     ids = torch.randint(0, 50, (2, 8))
     used = []  # layers applied with their shared factors
     real_project = group_mod.project
-    monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors: used.append(
-        factors is not None and id(layer) in factors) or real_project(layer, x, factors))
+    monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors, **kw: used.append(
+        factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
     real = group_mod.shared_factors
     results = []
     for share in (True, False):

@@ -51,9 +51,16 @@ def test_per_token_flops_of_the_paper_layers():
     assert accounting.tt_flops_per_token(*PAPER, order="dense") == 2 * 768 * 768
     # Reference table (method doc section 4): 0.381 GFLOP forward at 4096 tokens, 768x768, r=30.
     assert round(4096 * accounting.tt_flops_per_token(*PAPER) / 1e9, 3) == 0.377  # + the L/R build:
-    assert round(accounting.tt_lr_flops(4096, *PAPER) / 1e9, 3) == 0.381
     ffn = ([12, 8, 8], [12, 16, 16], [1, 12, 30, 30, 30, 16, 1])
-    assert round(accounting.tt_lr_flops(4096, *ffn) / 1e9, 3) == 0.954
+    for (i, o, r), table in ((PAPER, 0.381), (ffn, 0.954)):
+        # The table builds R left to right, from the middle rank outward ...
+        sweep = 4096 * accounting.tt_flops_per_token(i, o, r) + accounting.chain_flops(i, r[:4]) + \
+            accounting.chain_flops(o, r[3:], inward=False)
+        assert round(sweep / 1e9, 3) == table
+        # ... this package from its rank-1 end inward: fewer FLOPs, the same per-token part.
+        assert accounting.tt_lr_flops(4096, i, o, r) < sweep
+    assert round(accounting.tt_lr_flops(4096, *PAPER) / 1e9, 3) == 0.380
+    assert round(accounting.tt_lr_flops(4096, *ffn) / 1e9, 3) == 0.951
 
 
 def test_choose_order_depends_on_tokens_and_ranks():

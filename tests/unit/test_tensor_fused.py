@@ -1,0 +1,141 @@
+"""``tensor.fused.gelu_matmul`` and the FFN out-projections that use it, against the unfused reference.
+
+The fused op must equal ``F.gelu(u) @ w`` forward and backward, and it must keep less for backward:
+``u`` alone, not ``gelu(u)`` as well (measured with saved-tensor hooks).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comera_dist.layers import TTLinear
+from comera_dist.layers.dense import Linear
+from comera_dist.tensor import contract
+from comera_dist.tensor.fused import gelu_matmul
+
+
+def _saved_bytes(fn):
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
+def test_gelu_matmul_passes_gradcheck_in_fp64():
+    torch.manual_seed(0)
+    u = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(gelu_matmul, (u, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_matmul_equals_gelu_then_matmul_forward_and_backward(dtype):
+    torch.manual_seed(1)
+    u0, w0, g = torch.randn(64, 96, dtype=dtype), torch.randn(96, 12, dtype=dtype), torch.randn(64, 12, dtype=dtype)
+    outs = []
+    for fused in (True, False):
+        u, w = u0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = gelu_matmul(u, w) if fused else F.gelu(u) @ w
+        y.backward(g)
+        outs.append((y, u.grad, w.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b)  # the same ops in the same dtype
+
+
+def test_gelu_matmul_under_autocast_matches_autocast_reference():
+    torch.manual_seed(2)
+    u0, w0 = torch.randn(32, 48), torch.randn(48, 8)
+    res = []
+    for fused in (True, False):
+        u, w = u0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = F.gelu(u.to(torch.bfloat16))
+            y = gelu_matmul(u.to(torch.bfloat16), w) if fused else h @ w
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        assert u.grad.dtype == w.grad.dtype == torch.float32  # each gradient in its input's dtype
+        res.append((y, u.grad, w.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)
+
+
+def test_gelu_matmul_keeps_the_pre_activation_only():
+    u = torch.randn(128, 256, requires_grad=True)
+    w = torch.randn(256, 8, requires_grad=True)
+    _, fused = _saved_bytes(lambda: gelu_matmul(u, w))
+    _, plain = _saved_bytes(lambda: F.gelu(u) @ w)
+    leaf = {u.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+    assert sum(b for k, b in fused.items() if k not in leaf) == 0  # u and w only
+    assert sum(b for k, b in plain.items() if k not in leaf) == 128 * 256 * 4  # gelu(u) as well
+
+
+def test_gelu_matmul_names_bad_shapes():
+    with pytest.raises(ValueError, match=r"u \(T, F\) and w \(F, N\).*\(4, 5\) and \(6, 2\)"):
+        gelu_matmul(torch.randn(4, 5), torch.randn(6, 2))
+
+
+@pytest.mark.parametrize("order", ["lr", "sequential", "dense"])
+def test_tt_linear_gelu_input_equals_the_layer_of_gelu(order):
+    torch.manual_seed(3)
+    layer = TTLinear(96, 40, num_cores=4, max_rank=6, order=order)
+    with torch.no_grad():
+        layer.gate.uniform_(0.0, 1.0)  # some bonds masked
+    x0 = torch.randn(2, 10, 96)
+    res = []
+    for fused in (True, False):
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = layer(x, gelu_input=True) if fused else layer(F.gelu(x))
+        y.square().sum().backward()
+        res.append((y, x.grad, layer.core.grad, layer.gate.grad, layer.bias.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tt_linear_gelu_input_with_shared_factors_equals_the_reference():
+    torch.manual_seed(4)
+    layer = TTLinear(96, 40, num_cores=4, max_rank=6)
+    x = torch.randn(12, 96)
+    L, R = layer._halves(layer.core, layer.gate)
+    torch.testing.assert_close(layer(x, factors=(L, R), gelu_input=True),
+                               contract.tt_linear_lr(F.gelu(x), L, R, layer.bias), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x, factors=(L, R), gelu_input=True), F.gelu(x) @ layer.to_dense() + layer.bias,
+                               rtol=1e-4, atol=1e-5)  # the TT format against its densified matrix
+
+
+def test_dense_linear_gelu_input_equals_nn_linear_of_gelu():
+    torch.manual_seed(5)
+    layer = Linear(48, 16)
+    x0 = torch.randn(3, 7, 48)
+    res = []
+    for fused in (True, False):
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = layer(x, gelu_input=True) if fused else torch.nn.functional.linear(F.gelu(x), layer.weight, layer.bias)
+        y.square().sum().backward()
+        res.append((y, x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(layer(x0), torch.nn.functional.linear(x0, layer.weight, layer.bias))  # default: plain
+
+
+def test_gelu_matmul_compiles_fullgraph():
+    torch.manual_seed(6)
+    layer = TTLinear(96, 40, num_cores=4, max_rank=6)
+    x0 = torch.randn(16, 96)
+    fn = torch.compile(lambda x: layer(x, gelu_input=True), fullgraph=True, backend="aot_eager")
+    res = []
+    for f in (fn, lambda x: layer(x, gelu_input=True)):
+        layer.zero_grad()
+        x = x0.clone().requires_grad_()
+        y = f(x)
+        y.sum().backward()
+        res.append((y, x.grad, layer.core.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)

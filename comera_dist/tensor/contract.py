@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from comera_dist.tensor.fused import gelu_matmul
+from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
 from comera_dist.tensor.tt import build_precision, chain, scale_bonds
 
 
@@ -127,24 +127,27 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
 
 
 def _halves_batched(cores: list[Tensor], masks: list[Tensor], d: int, G: int) -> tuple[Tensor, Tensor]:
-    scaled = [c * masks[k].view(G, 1, 1, -1) if k < len(masks) else c for k, c in enumerate(cores)]  # one view op
+    pairs = [(c, masks[k] if k < len(masks) else None) for k, c in enumerate(cores)]  # (core, its right-bond mask)
 
-    def run(chain_cores: list[Tensor]) -> Tensor:  # inward from the rank-1 end, as tt.chain
-        if chain_cores[0].shape[1] > chain_cores[-1].shape[3]:
-            z = chain_cores[-1]  # (G, r, n, r_D)
+    def run(chain: list[tuple[Tensor, Tensor | None]]) -> Tensor:  # inward from the rank-1 end, as tt.chain
+        core_left = chain[0][0].shape[1] > chain[-1][0].shape[3]
+        if core_left:  # right to left: z (G, r', P, r_D), each core multiplies it from the left
+            c, m = chain[-1]
+            z = c if m is None else c * m.view(G, 1, 1, -1)  # (G, r, n, r_D)
             r_last = z.shape[3]
-            for c in chain_cores[-2::-1]:  # c: (G, r, n, r')
-                z = torch.bmm(c.reshape(G, -1, c.shape[3]), z.reshape(G, c.shape[3], -1))  # (G, r*n, P*r_D)
+            for c, m in chain[-2::-1]:  # c: (G, r, n, r')
+                z = scaled_bmm(z.reshape(G, c.shape[3], -1), c, m, core_left=True)  # (G, r*n, P*r_D)
                 z = z.reshape(G, c.shape[1], -1, r_last)  # (G, r, n*P, r_D)
             return z
-        z = chain_cores[0]  # (G, r0, n, r1)
+        c, m = chain[0]
+        z = c if m is None else c * m.view(G, 1, 1, -1)  # (G, r0, n, r1)
         r0 = z.shape[1]
-        for c in chain_cores[1:]:  # c: (G, r, n, r')
-            z = torch.bmm(z.reshape(G, -1, c.shape[1]), c.reshape(G, c.shape[1], -1))  # (G, r0*P, n*r')
+        for c, m in chain[1:]:  # c: (G, r, n, r')
+            z = scaled_bmm(z.reshape(G, -1, c.shape[1]), c, m, core_left=False)  # (G, r0*P, n*r')
             z = z.reshape(G, r0, -1, c.shape[3])  # (G, r0, P*n, r')
         return z
 
-    left, right = run(scaled[:d]), run(scaled[d:])  # (G, 1, N_in, r_d), (G, r_d, N_out, 1)
+    left, right = run(pairs[:d]), run(pairs[d:])  # (G, 1, N_in, r_d), (G, r_d, N_out, 1)
     return left.reshape(G, left.shape[2], left.shape[3]), right.reshape(G, right.shape[1], right.shape[2])
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from comera_dist.layers import TTLinear
 from comera_dist.layers.dense import Linear
 from comera_dist.tensor import contract
-from comera_dist.tensor.fused import gelu_matmul
+from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
 
 
 def _saved_bytes(fn):
@@ -139,3 +139,48 @@ def test_gelu_matmul_compiles_fullgraph():
         res.append((y, x.grad, layer.core.grad))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("core_left", [False, True])
+def test_scaled_bmm_passes_gradcheck_in_fp64(core_left):
+    torch.manual_seed(7)
+    G, r, n, r2 = 2, 3, 4, 5
+    c = torch.randn(G, r, n, r2, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(G, r2, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(G, r2, 6, dtype=torch.float64, requires_grad=True) if core_left else \
+        torch.randn(G, 6, r, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, c, m: scaled_bmm(a, c, m, core_left), (a, c, m))
+
+
+@pytest.mark.parametrize("core_left", [False, True])
+def test_scaled_bmm_equals_bmm_of_the_scaled_core_and_keeps_no_scaled_copy(core_left):
+    torch.manual_seed(8)
+    G, r, n, r2 = 3, 4, 6, 5
+    stack = torch.randn(G, r * n * r2 + 7, requires_grad=True)  # a group's stacked flat cores
+    m0 = torch.rand(G, r2)
+    a0 = torch.randn(G, r2, 9) if core_left else torch.randn(G, 9, r)
+    res, kept = [], []
+    for fused in (True, False):
+        stack.grad = None
+        m, a = m0.clone().requires_grad_(), a0.clone().requires_grad_()
+        c = stack[:, 7:].view(G, r, n, r2)  # a view, as layers.ragged hands it over
+
+        def step(c=c, m=m, a=a, fused=fused):
+            if fused:
+                return scaled_bmm(a, c, m, core_left)
+            s = c * m.view(G, 1, 1, -1)
+            return torch.bmm(s.reshape(G, r * n, r2), a) if core_left else torch.bmm(a, s.reshape(G, r, n * r2))
+
+        y, seen = _saved_bytes(step)
+        y.square().sum().backward()
+        res.append((y, stack.grad.clone(), m.grad, a.grad))
+        leaves = {t.untyped_storage().data_ptr() for t in (stack, m, a)}
+        kept.append(sum(b for k, b in seen.items() if k not in leaves))
+    for x, z in zip(*res):
+        torch.testing.assert_close(x, z)
+    assert kept[0] == 0 and kept[1] == G * r * n * r2 * 4  # the plain path keeps the scaled core
+
+
+def test_scaled_bmm_without_a_mask_is_a_plain_bmm():
+    c, a = torch.randn(2, 3, 4, 5), torch.randn(2, 6, 3)
+    torch.testing.assert_close(scaled_bmm(a, c, None, False), torch.bmm(a, c.reshape(2, 3, 20)))

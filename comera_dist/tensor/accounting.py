@@ -19,9 +19,10 @@ def ttm_params(row_modes: list[int], col_modes: list[int], ranks: list[int]) -> 
 
 
 def chain_flops(modes: list[int], ranks: list[int], *, inward: bool = True) -> int:
-    """FLOPs of contracting 3-way cores into ``(r_0, prod modes, r_last)`` the way ``tt.chain`` does:
-    inward from the end whose outer rank is smaller (left to right on a tie); ``inward=False``
-    counts a plain left-to-right sweep (how the method doc's reference table builds ``R``)."""
+    """FLOPs of contracting cores into ``(r_0, prod modes, r_last)`` the way ``tt.chain`` (TT) and
+    ``contract._ttm_chain`` (TTM, modes ``m_k n_k``) do: inward from the end whose outer rank is
+    smaller (left to right on a tie); ``inward=False`` counts a plain left-to-right sweep (how the
+    method doc's reference table builds ``R``)."""
     _check(modes, ranks)
     if inward and ranks[0] > ranks[-1]:
         modes, ranks = list(modes)[::-1], list(ranks)[::-1]

@@ -191,6 +191,13 @@ def _ttm_chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
 
 
 def _ttm_chain_in(cores: list[Tensor]) -> Tensor:
+    """Inward from the end whose outer rank is smaller, as ``tt.chain`` (and ``accounting.chain_flops``)."""
+    if cores[0].shape[0] > cores[-1].shape[-1]:
+        z = cores[-1]  # (r, M, N, b)
+        for c in cores[-2::-1]:  # c: (a, m, n, r)
+            b, M, N = z.shape[3], z.shape[1], z.shape[2]
+            z = torch.einsum("amnr,rMNb->amMnNb", c, z).reshape(c.shape[0], c.shape[1] * M, c.shape[2] * N, b)
+        return z
     z = cores[0]  # (r0, m, n, r1)
     for c in cores[1:]:  # c: (r, m, n, r')
         a, M, N = z.shape[0], z.shape[1], z.shape[2]

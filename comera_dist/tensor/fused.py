@@ -1,22 +1,17 @@
 """Products that keep less for backward: an operand made by a cheap element-wise op is recomputed.
 
-- ``gelu_matmul(u, w)``: ``gelu(u) @ w``, keeping ``u`` alone (below).
-- ``scaled_bmm(a, c, m, core_left)``: a batched chain step against a gate-scaled TT core
-  ``c * m``, keeping ``c`` and ``m`` but not their product. ``c`` is a view of a group's stacked
-  cores (``layers.ragged``), which autograd keeps for the gate gradient anyway, so the scaled copy
-  (as large as the cores) no longer doubles it.
+``gelu_matmul(u, w, bias)``: ``gelu(u) @ w + bias``, keeping ``u`` alone. A transformer FFN computes
+``out(gelu(u))``; run as two ops, autograd keeps two ``(T, F)`` tensors per block: ``u`` (GELU's
+backward needs it) and ``gelu(u)`` (the product's weight gradient needs it). The fused op recomputes
+``gelu(u)`` in the backward, one element-wise op next to the products it feeds: 12 KiB per token
+and block at the six-encoder's 3072-wide FFN in fp32. The FFN's out-projection takes it through
+``gelu_input=True``: a dense one (``layers.dense.Linear``, ``w`` its weight transposed) or a TT one
+(``TTLinear``, ``w`` its contracted input half ``L``, so only ``(T, r)`` leaves the fused op).
 
-GELU fused into the product that consumes it: autograd keeps the pre-activation only.
-
-A transformer FFN computes ``out(gelu(u))``. Run as two ops, autograd keeps two ``(T, F)``
-tensors per block: ``u`` (GELU's backward needs it) and ``gelu(u)`` (the product's weight
-gradient needs it). ``gelu_matmul(u, w)`` keeps ``u`` alone and recomputes ``gelu(u)`` in the
-backward, one element-wise op next to the products it feeds. At the six-encoder's 3072-wide FFN
-that is 12 KiB per token and block in fp32.
-
-The FFN's out-projection takes it through ``gelu_input=True``: a dense one
-(``layers.dense.Linear``, ``w`` its weight transposed) or a TT one (``TTLinear``, ``w`` its
-contracted input half ``L``, so only ``(T, r)`` leaves the fused op).
+``scaled_bmm(a, c, m, core_left)``: one step of a batched core chain against a gate-scaled TT core
+``c * m``, keeping ``c`` and ``m`` but not their product. ``c`` is a view of a group's stacked cores
+(``layers.ragged``), which autograd keeps for the gate gradient anyway, so the scaled copy (as large
+as the cores) no longer doubles it.
 """
 
 from __future__ import annotations
@@ -26,41 +21,60 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def gelu_matmul(u: Tensor, w: Tensor) -> Tensor:
-    """``gelu(u) @ w`` (exact, erf GELU); u: (T, F), w: (F, N) -> (T, N).
+def gelu_matmul(u: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``gelu(u) @ w (+ bias)`` (exact, erf GELU); u: (T, F), w: (F, N), bias: (N,) -> (T, N).
 
-    Under autocast both operands are cast to its dtype first, as ``matmul`` would be.
+    Under autocast it computes what the unfused ops would: GELU in ``u``'s dtype, then the product
+    (bias in its epilogue, as ``F.linear``'s) in autocast's dtype, with autocast's rule for which
+    operands to cast (floating, not float64).
     """
     if u.dim() != 2 or w.dim() != 2 or u.shape[1] != w.shape[0]:
         raise ValueError(f"gelu_matmul needs u (T, F) and w (F, N), got {tuple(u.shape)} and {tuple(w.shape)}")
-    return _GeluMatmul.apply(u, w)
+    if bias is not None and tuple(bias.shape) != (w.shape[1],):
+        raise ValueError(f"gelu_matmul: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
+    return _GeluMatmul.apply(u, w, bias)
+
+
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast ``t`` to for a matmul, or None (autocast off, or ``t`` not eligible)."""
+    device_type = t.device.type if t.device.type in ("cpu", "cuda") else "cpu"
+    if not torch.is_autocast_enabled(device_type) or not t.is_floating_point() or t.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    return t if t is None or dtype is None or t.dtype == torch.float64 else t.to(dtype)
 
 
 class _GeluMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u: Tensor, w: Tensor) -> Tensor:
-        ctx.dtypes = (u.dtype, w.dtype)
-        device_type = u.device.type if u.device.type in ("cpu", "cuda") else "cpu"
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            u, w = u.to(dtype), w.to(dtype)
-        ctx.device_type = device_type
-        with torch.autocast(device_type, enabled=False):
-            out = F.gelu(u) @ w  # (T, N)
-        ctx.save_for_backward(u, w)  # u as cast: the backward recomputes gelu(u) bit for bit
+    def forward(ctx, u: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.w_dtype = w.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.device_type = u.device.type if u.device.type in ("cpu", "cuda") else "cpu"
+        dtype = _autocast_dtype(u) or _autocast_dtype(w)
+        ctx.cast = dtype
+        with torch.autocast(ctx.device_type, enabled=False):
+            w, bias = _cast(w, dtype), _cast(bias, dtype)
+            g = _cast(F.gelu(u), dtype)  # (T, F), a temporary: the backward recomputes it from u
+            out = g @ w if bias is None else torch.addmm(bias, g, w)  # (T, N)
+        ctx.save_for_backward(u, w)  # w as cast (autocast keeps its cast copy the same way)
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         u, w = ctx.saved_tensors
-        grad_u = grad_w = None
+        grad_u = grad_w = grad_b = None
         with torch.autocast(ctx.device_type, enabled=False):
-            grad = grad.to(u.dtype)
+            grad = grad.to(w.dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = (F.gelu(u).T @ grad).to(ctx.dtypes[1])  # (F, N)
+                grad_w = (_cast(F.gelu(u), ctx.cast).T @ grad).to(ctx.w_dtype)  # (F, N)
             if ctx.needs_input_grad[0]:
-                grad_u = torch.ops.aten.gelu_backward(grad @ w.T, u).to(ctx.dtypes[0])  # (T, F)
-        return grad_u, grad_w
+                grad_u = torch.ops.aten.gelu_backward((grad @ w.T).to(u.dtype), u)  # (T, F)
+            if ctx.needs_input_grad[2]:
+                grad_b = grad.sum(0).to(ctx.b_dtype)  # (N,)
+        return grad_u, grad_w, grad_b
 
 
 def scaled_bmm(a: Tensor, c: Tensor, m: Tensor | None, core_left: bool) -> Tensor:

@@ -44,7 +44,8 @@ def tt_init(in_modes: list[int], out_modes: list[int], ranks: list[int], std: fl
 
 
 def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
-    """Contract 3-way cores left to right: returns ``(r_0, prod(modes), r_last)``.
+    """Contract 3-way cores: returns ``(r_0, prod(modes), r_last)``, built inward from the end whose
+    outer rank is smaller (``_chain_in``).
 
     ``masks[k]`` scales bond ``k`` (the right bond of core ``k``). It is applied to the core, the
     smallest tensor touching the bond; ``len(masks) == len(cores)`` also scales the trailing bond

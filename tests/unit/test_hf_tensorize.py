@@ -128,3 +128,13 @@ def test_bad_models_and_arguments_are_clear_errors():
     with pytest.raises(ValueError, match=r"tensorize.modes\['embedding'\].*cannot hold a 60x16 table"):
         tensorize(gpt2, dataclasses.replace(FULL, modes={"embedding": [[7, 8], [4, 4]]}))
     assert not any(isinstance(m, (TTLinear, TTEmbedding, FusedQKV)) for m in gpt2.modules())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tensorized_hf_models_hold_no_parameter_list(name):
+    """The HF route builds the same layer classes as the native models, so the guard of
+    ``test_compile_fullgraph.test_no_model_holds_a_parameter_list`` (torch 2.11's Dynamo cannot
+    unpack an ``nn.ParameterList``) must hold for it too, fused QKV and tied heads included."""
+    tt = tensorize(make(name), TensorizeConfig(num_cores=4, max_rank=3, embedding_num_cores=2, embedding_max_rank=3))
+    assert any(isinstance(m, TTLinear) for m in tt.modules()) and any(isinstance(m, TTEmbedding) for m in tt.modules())
+    assert not [n for n, m in tt.named_modules() if isinstance(m, nn.ParameterList)]

@@ -48,21 +48,30 @@ def test_gelu_matmul_equals_gelu_then_matmul_forward_and_backward(dtype):
         torch.testing.assert_close(a, b)  # the same ops in the same dtype
 
 
-def test_gelu_matmul_under_autocast_matches_autocast_reference():
+@pytest.mark.parametrize("u_dtype", [torch.float32, torch.bfloat16])
+def test_gelu_matmul_under_autocast_computes_what_the_unfused_ops_do(u_dtype):
+    """GELU in u's own dtype, then the product and its bias in autocast's; gradients in the inputs' dtypes."""
     torch.manual_seed(2)
-    u0, w0 = torch.randn(32, 48), torch.randn(48, 8)
+    u0, w0, b0 = torch.randn(32, 48, dtype=u_dtype), torch.randn(48, 8), torch.randn(8)
     res = []
     for fused in (True, False):
-        u, w = u0.clone().requires_grad_(), w0.clone().requires_grad_()
+        u, w, b = (t.clone().requires_grad_() for t in (u0, w0, b0))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = F.gelu(u.to(torch.bfloat16))
-            y = gelu_matmul(u.to(torch.bfloat16), w) if fused else h @ w
+            y = gelu_matmul(u, w, b) if fused else torch.nn.functional.linear(F.gelu(u), w.T, b)
         assert y.dtype == torch.bfloat16
         y.float().square().sum().backward()
-        assert u.grad.dtype == w.grad.dtype == torch.float32  # each gradient in its input's dtype
-        res.append((y, u.grad, w.grad))
+        assert (u.grad.dtype, w.grad.dtype, b.grad.dtype) == (u_dtype, torch.float32, torch.float32)
+        res.append((y, u.grad, w.grad, b.grad))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b)
+
+
+def test_gelu_matmul_leaves_fp64_alone_under_autocast():
+    u, w = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gelu_matmul(u, w)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, F.gelu(u) @ w)
 
 
 def test_gelu_matmul_keeps_the_pre_activation_only():
@@ -78,6 +87,8 @@ def test_gelu_matmul_keeps_the_pre_activation_only():
 def test_gelu_matmul_names_bad_shapes():
     with pytest.raises(ValueError, match=r"u \(T, F\) and w \(F, N\).*\(4, 5\) and \(6, 2\)"):
         gelu_matmul(torch.randn(4, 5), torch.randn(6, 2))
+    with pytest.raises(ValueError, match=r"bias must have shape \(2,\), got \(3,\)"):
+        gelu_matmul(torch.randn(4, 5), torch.randn(5, 2), torch.randn(3))
 
 
 @pytest.mark.parametrize("order", ["lr", "sequential", "dense"])
@@ -123,6 +134,21 @@ def test_dense_linear_gelu_input_equals_nn_linear_of_gelu():
     for a, b in zip(*res):
         torch.testing.assert_close(a, b)
     assert torch.equal(layer(x0), torch.nn.functional.linear(x0, layer.weight, layer.bias))  # default: plain
+
+
+def test_dense_linear_under_zero3_keeps_no_view_of_the_gathered_weight():
+    """A ZeRO-3 weight (DeepSpeed marks it with ``ds_id``) is freed after the forward; the fused path
+    would save ``weight.T``, a view that keeps the gathered storage alive, so it takes the unfused path."""
+    torch.manual_seed(9)
+    layer = Linear(48, 16)
+    x = torch.randn(5, 48, requires_grad=True)
+    _, fused = _saved_bytes(lambda: layer(x, gelu_input=True))
+    layer.weight.ds_id = 0
+    y, zero3 = _saved_bytes(lambda: layer(x, gelu_input=True))
+    weight = layer.weight.untyped_storage().data_ptr()
+    assert weight in fused and weight in zero3  # each saves the weight: as a view of it, or as itself
+    assert len(zero3) > len(fused)  # ... and unfused, gelu(x) as well
+    torch.testing.assert_close(y, torch.nn.functional.linear(F.gelu(x), layer.weight, layer.bias))
 
 
 def test_gelu_matmul_compiles_fullgraph():

@@ -87,13 +87,14 @@ def test_padding_idx_column_is_zero_like_the_table():
     assert torch.all(out[:, 3] == 0)
 
 
-def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest():
-    emb = gated_embedding(V=300, N=24, num_cores=3, max_rank=5, dtype=torch.float32)
+@pytest.mark.parametrize("num_cores", [3, 4, 5])  # 4 and 5: halves of 3+ cores, built inward from their rank-1 end
+def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest(num_cores):
+    emb = gated_embedding(V=300, N=24, num_cores=num_cores, max_rank=5, dtype=torch.float32)
     head = TiedTTHead(emb, bias=False)
     h = torch.randn(7, 24)
     ranks = emb.full_ranks(active=False)
     costs = ttm_head_costs(7, emb.row_modes, emb.col_modes, ranks)
-    for order in ttm_head_orders(3):
+    for order in ttm_head_orders(num_cores):
         head.order = order
         with FlopCounterMode(display=False) as counter:
             head(h)

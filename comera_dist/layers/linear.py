@@ -136,7 +136,8 @@ class TTLinear(TensorizedModule):
             raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
-        order = "lr" if factors is not None else self.chosen_order(x2d.shape[0], _activation_bytes(x2d))
+        order = "lr" if factors is not None else \
+            self.chosen_order(x2d.shape[0], _activation_bytes(x2d), gelu_input=gelu_input)
         if order == "lr":
             L, R = factors if factors is not None else \
                 on_one_thread(self._halves, self.core, self.gate)  # (N_in, r_d), (r_d, N_out)
@@ -162,13 +163,14 @@ class TTLinear(TensorizedModule):
         cores, masks = self.split_cores(core), self._mask(gate)
         return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
 
-    def chosen_order(self, tokens: int, bytes_per_element: int = 4) -> str:
+    def chosen_order(self, tokens: int, bytes_per_element: int = 4, *, gelu_input: bool = False) -> str:
         """The contraction order ``forward`` uses for ``tokens`` tokens of ``bytes_per_element``-byte
-        activations (2 under bf16: the saved activations weigh half as much)."""
+        activations (2 under bf16: the saved activations weigh half as much), with or without the
+        fused input GELU (only ``lr`` fuses it; ``dense`` also keeps ``gelu(x)``)."""
         if self._order != "auto":
             return self._order
         return choose_order(tokens, self.in_modes, self.out_modes, self.full_ranks(active=False),
-                            bytes_per_element=bytes_per_element).name
+                            bytes_per_element=bytes_per_element, gelu_input=gelu_input).name
 
     # ---- accounting ----------------------------------------------------------------------------
 

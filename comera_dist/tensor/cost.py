@@ -45,8 +45,13 @@ class Order:
 
 
 def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: list[int], *,
-                bytes_per_element: int = 4, flops_per_byte: float = 4.0) -> dict[str, Order]:
-    """The predicted cost of every order."""
+                bytes_per_element: int = 4, flops_per_byte: float = 4.0, gelu_input: bool = False) -> dict[str, Order]:
+    """The predicted cost of every order.
+
+    ``gelu_input``: the layer applies GELU to its input first (``TTLinear(..., gelu_input=True)``).
+    Only ``lr`` fuses it (``tensor.fused``); ``dense`` then also keeps ``gelu(x)`` for backward
+    (``sequential`` keeps a reshaped copy of its input in any case, counted already).
+    """
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
     d = len(in_modes)
@@ -71,6 +76,8 @@ def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: l
         "sequential": tokens * seq,
         "dense": build_all + n_in * n_out,
     }
+    if gelu_input:  # x W keeps gelu(x); sequential keeps its own reshaped copy of its input either way
+        elems["dense"] += tokens * n_in
     flops = {
         "lr": tt_lr_flops(tokens, in_modes, out_modes, ranks),
         "sequential": tt_sequential_flops(tokens, in_modes, out_modes, ranks),
@@ -85,9 +92,9 @@ def order_costs(tokens: int, in_modes: list[int], out_modes: list[int], ranks: l
 
 @lru_cache(maxsize=1024)
 def _choose(tokens: int, in_modes: tuple[int, ...], out_modes: tuple[int, ...], ranks: tuple[int, ...],
-            bytes_per_element: int, flops_per_byte: float, memory_budget: int | None) -> Order:
+            bytes_per_element: int, flops_per_byte: float, memory_budget: int | None, gelu_input: bool) -> Order:
     costs = order_costs(tokens, list(in_modes), list(out_modes), list(ranks),
-                        bytes_per_element=bytes_per_element, flops_per_byte=flops_per_byte)
+                        bytes_per_element=bytes_per_element, flops_per_byte=flops_per_byte, gelu_input=gelu_input)
     # Plain loops rather than min(key=...): torch.compile traces this without a graph break.
     best: Order | None = None
     for name in ORDERS:  # ties go to the earlier order
@@ -104,15 +111,16 @@ def _choose(tokens: int, in_modes: tuple[int, ...], out_modes: tuple[int, ...], 
 
 def choose_order(tokens: int, in_modes: list[int], out_modes: list[int], ranks: list[int], d: int | None = None,
                  *, bytes_per_element: int = 4, flops_per_byte: float = 4.0,
-                 memory_budget: int | None = None) -> Order:
-    """The cheapest order for ``tokens`` tokens (see the module docstring); ``d`` = len(in_modes)."""
+                 memory_budget: int | None = None, gelu_input: bool = False) -> Order:
+    """The cheapest order for ``tokens`` tokens (see the module docstring); ``d`` = len(in_modes);
+    ``gelu_input`` as in ``order_costs``."""
     if d is not None and d != len(in_modes):
         raise ValueError(f"d={d} differs from len(in_modes)={len(in_modes)}")
     if len(ranks) != len(in_modes) + len(out_modes) + 1:
         raise ValueError(f"ranks {ranks} must have length {len(in_modes) + len(out_modes) + 1}")
     choose = _choose.__wrapped__ if torch.compiler.is_compiling() else _choose  # dynamo skips lru_cache
     return choose(int(tokens), tuple(in_modes), tuple(out_modes), tuple(ranks), bytes_per_element,
-                   float(flops_per_byte), memory_budget)
+                   float(flops_per_byte), memory_budget, bool(gelu_input))
 
 
 # --------------------------------------------------------------------------------------------

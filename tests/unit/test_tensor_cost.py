@@ -30,19 +30,21 @@ def _measure(fn):
     return fc.get_total_flops(), seen, out
 
 
+@pytest.mark.parametrize("gelu_input", [False, True])
 @pytest.mark.parametrize("order", ["lr", "sequential", "dense"])
-def test_flops_and_per_token_saved_bytes_match_measurement(order):
+def test_flops_and_per_token_saved_bytes_match_measurement(order, gelu_input):
     torch.manual_seed(0)
     layer = TTLinear(96, 120, num_cores=4, max_rank=6, bias=False, order=order)
     ranks = layer.full_ranks(active=False)
     res = {}
     for T in (4, 20):
         x = torch.randn(T, 96, requires_grad=True)
-        flops, seen, _ = _measure(lambda x=x: layer(x))
+        flops, seen, _ = _measure(lambda x=x: layer(x, gelu_input=gelu_input))
         skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
         res[T] = (flops, sum(b for k, b in seen.items() if k not in skip))
         assert flops == order_costs(T, layer.in_modes, layer.out_modes, ranks)[order].flops
-    pred = {T: order_costs(T, layer.in_modes, layer.out_modes, ranks)[order].saved_bytes for T in res}
+    pred = {T: order_costs(T, layer.in_modes, layer.out_modes, ranks, gelu_input=gelu_input)[order].saved_bytes
+            for T in res}
     assert res[20][1] - res[4][1] == pred[20] - pred[4]  # the token-proportional part is exact
 
 

@@ -25,9 +25,8 @@ from comera_dist.compression.controller import RankController
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.compression.walk import tensorized_modules
-from comera_dist.configbase import to_dict
-from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
+from comera_dist.engine import resume as resume_mod
 from comera_dist.engine.build import Built, construct_model, initialize
 from comera_dist.engine.config import solve_batch_sizes
 from comera_dist.engine.device import (
@@ -50,8 +49,6 @@ from comera_dist.models.gpt import GPT
 
 log = logging.getLogger(__name__)
 Batch = Mapping[str, Tensor]
-SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-              "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
 
 
 class NonFiniteGradientsApplied(RuntimeError):
@@ -79,34 +76,6 @@ class StepOutput:
     """Learning rate of the first parameter group (cores when tensorized) after the step."""
     grad_norm: float
     """Global gradient norm before clipping (nan when skipped or not computed)."""
-
-
-def _rng_state() -> dict[str, Any]:
-    """torch, python, numpy and (when present) every CUDA device's RNG states as plain lists/ints
-    (picklable without torch storages)."""
-    np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state().tolist(), "python": random.getstate(),
-             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-    if torch.cuda.is_available():  # dropout on CUDA draws from the device generators
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``_rng_state`` captured; CUDA states only when both the checkpoint and this host have them
-    (a CPU checkpoint resumed on GPUs, or the reverse, keeps this process's seeded CUDA generators)."""
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    random.setstate(_as_tuple(state["python"]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        n = min(len(cuda), torch.cuda.device_count())
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda[:n]])
-
-
-def _as_tuple(x: Any) -> Any:
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def seed_everything(seed: int) -> None:
@@ -424,101 +393,16 @@ class TrainSession:
 
     def identity(self) -> dict[str, Any]:
         """The config values a checkpoint must share with the run loading it."""
-        model = to_dict(self.cfg.model)
-        tensorize = to_dict(self.cfg.comera.tensorize)
-        # Only what fixes parameter shapes: dropout, init scales etc. may change on resume.
-        return {"model": {k: model[k] for k in SHAPE_KEYS if k in model},
-                "tensorize": {k: v for k, v in tensorize.items() if k != "init"},
-                "comera_enabled": self.cfg.comera.enabled}
+        return resume_mod.identity(self.cfg)
 
     def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
              before_publish=None) -> Path | None:
-        """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
-        e.g. its loader position) rides along and comes back to that rank on resume.
-
-        Returns None, writing nothing, when a parameter or optimizer moment is non-finite: such a
-        state is never published as the last good one. ``retain=False`` deletes no older checkpoint.
-        """
-        from comera_dist.config import (
-            resolved_dict,  # config imports engine.config; avoid the cycle at import
-        )
-
-        rng = [None] * self.world_size
-        dist.all_gather_object(rng, _rng_state())
-        comera_state = {"step": step, "steps_done": self.steps_done, "nonfinite_total": self.nonfinite_total,
-                        "controller": self.controller.state_dict(), "plans": [pl.to_json() for pl in self.plans],
-                        "rng": rng, "world_size": self.world_size}
-        meta = {"identity": self.identity(), "plans": [pl.to_json() for pl in self.plans],
-                "world_size": self.world_size, "zero_stage": self.cfg.deepspeed.zero_stage,
-                "param_layout": ckpt.PARAM_LAYOUT}
-        # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
-        # own dict is gathered here and each rank gets its own back on resume.
-        clients: list[Any] = [None] * self.world_size
-        dist.all_gather_object(clients, dict(client_state or {}))
-        client = {"comera": comera_state, "clients": clients}
-        full, bad = elastic.consolidate(self.engine, client)  # collective; identical on every rank
-        if bad:
-            if dist.get_rank() == 0:
-                log.error("step %d: not checkpointing: %d parameter/optimizer tensors are non-finite (%s); "
-                          "the last good checkpoint stays %s", step, len(bad), ", ".join(bad[:5]),
-                          ckpt.latest_complete(self.checkpoint_root))
-            return None
-        train = self.cfg.train
-        return ckpt.save(self.engine, self.checkpoint_root, step, client_state=client, meta=meta,
-                         resolved_config=resolved_dict(self.cfg), keep=train.keep_checkpoints,
-                         keep_every=train.keep_every, full_state=full, retain=retain, before_publish=before_publish)
+        """Checkpoint at ``step`` (collective); see ``engine.resume.save``."""
+        return resume_mod.save(self, step, client_state, retain=retain, before_publish=before_publish)
 
     def resume(self, spec: str) -> dict[str, Any] | None:
-        """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` (None: fresh start).
-
-        Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
-        the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
-        shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
-        state (``engine/elastic.py``), and so is one written before each layer's gates and cores became
-        one parameter each (``param_layout`` 1 or 2), converted by ``elastic.upgrade_layout``. Collective.
-        """
-        path = ckpt.choose(spec, self.checkpoint_root)
-        if path is None:
-            return None
-        meta = ckpt.read_meta(path)
-        ckpt.check_compatible(meta, self.identity(), path)
-        plans = [PruningPlan.from_json(text) for text in meta["plans"]]
-        rank, stage = dist.get_rank(), self.cfg.deepspeed.zero_stage
-        legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
-        if legacy or meta["world_size"] != self.world_size or meta.get("zero_stage", stage) != stage:
-            if rank == 0:
-                log.info("elastic resume from %s: %s", path, f"parameter layout {meta.get('param_layout', 1)} -> "
-                         f"{ckpt.PARAM_LAYOUT} (one core and one gate parameter per layer)"
-                         if legacy else elastic.describe_move(meta, self.world_size, stage))
-            payload = ckpt.read_full_state(path)
-            if legacy:
-                payload = elastic.upgrade_layout(payload)
-            state = elastic.full_state(payload, torch.device("cpu"))
-            model = model_at_shapes(self.factory, plans)
-            load_full_state(model, state)
-            self._replace_engine(model)
-            self.plans = plans
-            restore_optimizer_state(self.engine, elastic.full_state(payload, self.device),
-                                    set_master=self.cfg.deepspeed.precision != "fp32")
-            elastic.restore_schedule(self.engine, payload)
-            client = payload["client"]
-        else:
-            if plans != self.plans:
-                self._replace_engine(model_at_shapes(self.factory, plans))
-                self.plans = plans
-            ckpt.verify_weights_only(path)
-            loaded, client = self.engine.load_checkpoint(str(path.parent), tag=path.name)
-            if loaded is None:
-                raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
-            sched = self.engine.lr_scheduler
-            if sched is not None and hasattr(sched, "last_batch_iteration"):
-                sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
-        state = client["comera"]
-        self.controller.load_state_dict(state["controller"])
-        self.steps_done = state["steps_done"]
-        self.nonfinite_total = state["nonfinite_total"]
-        _set_rng_state(elastic.rank_entry(state["rng"], rank))
-        return dict(elastic.rank_entry(client["clients"], rank), step=state["step"])
+        """Load ``auto`` | ``none`` | a checkpoint path (collective); see ``engine.resume.resume``."""
+        return resume_mod.resume(self, spec)
 
     def _replace_engine(self, model: nn.Module) -> None:
         """Destroy the engine and build a fresh one around ``model`` for this job's world size and stage."""

@@ -1,0 +1,163 @@
+"""Saving and resuming a ``TrainSession``: what its checkpoints hold beyond DeepSpeed's own shards.
+
+``save`` adds to DeepSpeed's checkpoint the CoMERA state (step, controller, pruning plans, every
+rank's RNG and loader position) and a consolidated full state for elastic resume, and refuses to
+publish a non-finite state. ``resume`` verifies the checkpoint, rebuilds the model at its pruned
+shapes, and loads it through DeepSpeed or, across world sizes, ZeRO stages and parameter layouts,
+through the consolidated state (``engine/elastic.py``). ``TrainSession.save``/``resume`` call these.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import deepspeed.comm as dist
+import numpy as np
+import torch
+
+from comera_dist.compression.pruning import PruningPlan
+from comera_dist.configbase import to_dict
+from comera_dist.engine import checkpoint as ckpt
+from comera_dist.engine import elastic
+from comera_dist.engine.prune import load_full_state, model_at_shapes, restore_optimizer_state
+
+if TYPE_CHECKING:
+    from comera_dist.engine.session import TrainSession
+
+log = logging.getLogger(__name__)
+SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+              "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
+"""The model config keys that fix parameter shapes: a checkpoint's must equal the resuming run's."""
+
+
+def identity(cfg) -> dict[str, Any]:
+    """The config values a checkpoint must share with the run loading it."""
+    model = to_dict(cfg.model)
+    tensorize = to_dict(cfg.comera.tensorize)
+    # Only what fixes parameter shapes: dropout, init scales etc. may change on resume.
+    return {"model": {k: model[k] for k in SHAPE_KEYS if k in model},
+            "tensorize": {k: v for k, v in tensorize.items() if k != "init"},
+            "comera_enabled": cfg.comera.enabled}
+
+
+def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
+         before_publish=None) -> Path | None:
+    """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
+    e.g. its loader position) rides along and comes back to that rank on resume.
+
+    Returns None, writing nothing, when a parameter or optimizer moment is non-finite: such a
+    state is never published as the last good one. ``retain=False`` deletes no older checkpoint.
+    """
+    from comera_dist.config import (
+        resolved_dict,  # config imports engine.config; avoid the cycle at import
+    )
+
+    rng = [None] * session.world_size
+    dist.all_gather_object(rng, rng_state())
+    comera_state = {"step": step, "steps_done": session.steps_done, "nonfinite_total": session.nonfinite_total,
+                    "controller": session.controller.state_dict(), "plans": [pl.to_json() for pl in session.plans],
+                    "rng": rng, "world_size": session.world_size}
+    meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
+            "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
+            "param_layout": ckpt.PARAM_LAYOUT}
+    # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
+    # own dict is gathered here and each rank gets its own back on resume.
+    clients: list[Any] = [None] * session.world_size
+    dist.all_gather_object(clients, dict(client_state or {}))
+    client = {"comera": comera_state, "clients": clients}
+    full, bad = elastic.consolidate(session.engine, client)  # collective; identical on every rank
+    if bad:
+        if dist.get_rank() == 0:
+            log.error("step %d: not checkpointing: %d parameter/optimizer tensors are non-finite (%s); "
+                      "the last good checkpoint stays %s", step, len(bad), ", ".join(bad[:5]),
+                      ckpt.latest_complete(session.checkpoint_root))
+        return None
+    train = session.cfg.train
+    return ckpt.save(session.engine, session.checkpoint_root, step, client_state=client, meta=meta,
+                     resolved_config=resolved_dict(session.cfg), keep=train.keep_checkpoints,
+                     keep_every=train.keep_every, full_state=full, retain=retain, before_publish=before_publish)
+
+
+def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
+    """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` (None: fresh start).
+
+    Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
+    the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
+    shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
+    state (``engine/elastic.py``), and so is one written before each layer's gates and cores became
+    one parameter each (``param_layout`` 1 or 2), converted by ``elastic.upgrade_layout``. Collective.
+    """
+    path = ckpt.choose(spec, session.checkpoint_root)
+    if path is None:
+        return None
+    meta = ckpt.read_meta(path)
+    ckpt.check_compatible(meta, identity(session.cfg), path)
+    plans = [PruningPlan.from_json(text) for text in meta["plans"]]
+    rank, stage = dist.get_rank(), session.cfg.deepspeed.zero_stage
+    legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
+    if legacy or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
+        if rank == 0:
+            log.info("elastic resume from %s: %s", path, f"parameter layout {meta.get('param_layout', 1)} -> "
+                     f"{ckpt.PARAM_LAYOUT} (one core and one gate parameter per layer)"
+                     if legacy else elastic.describe_move(meta, session.world_size, stage))
+        payload = ckpt.read_full_state(path)
+        if legacy:
+            payload = elastic.upgrade_layout(payload)
+        state = elastic.full_state(payload, torch.device("cpu"))
+        model = model_at_shapes(session.factory, plans)
+        load_full_state(model, state)
+        session._replace_engine(model)
+        session.plans = plans
+        restore_optimizer_state(session.engine, elastic.full_state(payload, session.device),
+                                set_master=session.cfg.deepspeed.precision != "fp32")
+        elastic.restore_schedule(session.engine, payload)
+        client = payload["client"]
+    else:
+        if plans != session.plans:
+            session._replace_engine(model_at_shapes(session.factory, plans))
+            session.plans = plans
+        ckpt.verify_weights_only(path)
+        loaded, client = session.engine.load_checkpoint(str(path.parent), tag=path.name)
+        if loaded is None:
+            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+        sched = session.engine.lr_scheduler
+        if sched is not None and hasattr(sched, "last_batch_iteration"):
+            sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
+    state = client["comera"]
+    session.controller.load_state_dict(state["controller"])
+    session.steps_done = state["steps_done"]
+    session.nonfinite_total = state["nonfinite_total"]
+    set_rng_state(elastic.rank_entry(state["rng"], rank))
+    return dict(elastic.rank_entry(client["clients"], rank), step=state["step"])
+
+
+def rng_state() -> dict[str, Any]:
+    """torch, python, numpy and (when present) every CUDA device's RNG states as plain lists/ints
+    (picklable without torch storages)."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state().tolist(), "python": random.getstate(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if torch.cuda.is_available():  # dropout on CUDA draws from the device generators
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what ``rng_state`` captured; CUDA states only when both the checkpoint and this host have them
+    (a CPU checkpoint resumed on GPUs, or the reverse, keeps this process's seeded CUDA generators)."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    random.setstate(_as_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        n = min(len(cuda), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda[:n]])
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

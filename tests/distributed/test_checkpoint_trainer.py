@@ -33,7 +33,8 @@ def _train(rank: int, world_size: int, outdir: str, steps: int, fault: str = "")
     from comera_dist.engine.trainer import train
 
     records = LogLines(logging.INFO)
-    for name in ("comera_dist.engine.session", "comera_dist.engine.trainer", "comera_dist.engine.checkpoint"):
+    for name in ("comera_dist.engine.session", "comera_dist.engine.resume", "comera_dist.engine.trainer",
+                 "comera_dist.engine.checkpoint"):
         logging.getLogger(name).addHandler(records)
     cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
         f"train.output_dir={outdir}", f"train.steps={steps}", "train.checkpoint_every=2", "train.eval_every=0",
@@ -88,7 +89,7 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int)
     from comera_dist.engine.trainer import train
 
     records = LogLines(logging.INFO)
-    for name in ("comera_dist.engine.session", "comera_dist.engine.trainer"):
+    for name in ("comera_dist.engine.session", "comera_dist.engine.resume", "comera_dist.engine.trainer"):
         logging.getLogger(name).addHandler(records)
     cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
         f"train.output_dir={outdir}", f"train.steps={steps}", "train.checkpoint_every=3", "train.eval_every=0",

@@ -136,9 +136,10 @@ def test_dense_linear_gelu_input_equals_nn_linear_of_gelu():
     assert torch.equal(layer(x0), torch.nn.functional.linear(x0, layer.weight, layer.bias))  # default: plain
 
 
-def test_dense_linear_under_zero3_keeps_no_view_of_the_gathered_weight():
+def test_dense_linear_under_zero3_takes_the_unfused_path():
     """A ZeRO-3 weight (DeepSpeed marks it with ``ds_id``) is freed after the forward; the fused path
-    would save ``weight.T``, a view that keeps the gathered storage alive, so it takes the unfused path."""
+    would save ``weight.T``, a view that keeps the gathered storage alive, so it takes the unfused path
+    (whose linear DeepSpeed replaces with one that saves the parameter; not run here)."""
     torch.manual_seed(9)
     layer = Linear(48, 16)
     x = torch.randn(5, 48, requires_grad=True)

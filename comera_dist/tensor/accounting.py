@@ -18,13 +18,24 @@ def ttm_params(row_modes: list[int], col_modes: list[int], ranks: list[int]) -> 
     return tt_params([m * n for m, n in zip(row_modes, col_modes)], ranks)
 
 
+def from_right(first_rank: int, last_rank: int) -> bool:
+    """Whether a chain of cores with outer ranks ``(first_rank, last_rank)`` is contracted right to left.
+
+    The one direction rule of every chain (``tt.chain``, ``contract``'s batched and TTM chains,
+    ``chain_flops``): inward from the end whose outer rank is smaller, left to right on a tie, so a
+    running product carries one interior rank, never two (the output half ``R``, ranks ``(r_d, 1)``,
+    goes right to left).
+    """
+    return first_rank > last_rank
+
+
 def chain_flops(modes: list[int], ranks: list[int], *, inward: bool = True) -> int:
     """FLOPs of contracting cores into ``(r_0, prod modes, r_last)`` the way ``tt.chain`` (TT) and
     ``contract._ttm_chain`` (TTM, modes ``m_k n_k``) do: inward from the end whose outer rank is
     smaller (left to right on a tie); ``inward=False`` counts a plain left-to-right sweep (how the
     method doc's reference table builds ``R``)."""
     _check(modes, ranks)
-    if inward and ranks[0] > ranks[-1]:
+    if inward and from_right(ranks[0], ranks[-1]):
         modes, ranks = list(modes)[::-1], list(ranks)[::-1]
     flops, P = 0, ranks[0] * modes[0]
     for k in range(1, len(modes)):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from comera_dist.tensor.accounting import from_right
 from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
 from comera_dist.tensor.tt import build_precision, chain, scale_bonds
 
@@ -129,8 +130,8 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
 def _halves_batched(cores: list[Tensor], masks: list[Tensor], d: int, G: int) -> tuple[Tensor, Tensor]:
     pairs = [(c, masks[k] if k < len(masks) else None) for k, c in enumerate(cores)]  # (core, its right-bond mask)
 
-    def run(chain: list[tuple[Tensor, Tensor | None]]) -> Tensor:  # inward from the rank-1 end, as tt.chain
-        core_left = chain[0][0].shape[1] > chain[-1][0].shape[3]
+    def run(chain: list[tuple[Tensor, Tensor | None]]) -> Tensor:  # accounting.from_right's direction
+        core_left = from_right(chain[0][0].shape[1], chain[-1][0].shape[3])
         if core_left:  # right to left: z (G, r', P, r_D), each core multiplies it from the left
             c, m = chain[-1]
             z = c if m is None else c * m.view(G, 1, 1, -1)  # (G, r, n, r_D)
@@ -191,8 +192,8 @@ def _ttm_chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
 
 
 def _ttm_chain_in(cores: list[Tensor]) -> Tensor:
-    """Inward from the end whose outer rank is smaller, as ``tt.chain`` (and ``accounting.chain_flops``)."""
-    if cores[0].shape[0] > cores[-1].shape[-1]:
+    """In ``accounting.from_right``'s direction, as ``tt.chain``."""
+    if from_right(cores[0].shape[0], cores[-1].shape[-1]):
         z = cores[-1]  # (r, M, N, b)
         for c in cores[-2::-1]:  # c: (a, m, n, r)
             b, M, N = z.shape[3], z.shape[1], z.shape[2]

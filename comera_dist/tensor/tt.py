@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from comera_dist.tensor.accounting import from_right
 from comera_dist.tensor.factorize import check_modes, tt_ranks
 
 
@@ -60,13 +61,11 @@ def chain(cores: list[Tensor], masks: list[Tensor] | None) -> Tensor:
 
 
 def _chain_in(cores: list[Tensor]) -> Tensor:
-    """The product of ``cores``, contracted inward from the end whose outer rank is smaller.
-
-    A running product then carries one interior rank, never two: the right half of a TT linear,
-    ``R`` with outer ranks ``(r_d, 1)``, contracted left to right would hold ``(r_d, P, r_k)``,
-    ``r_k`` times as large as from the right (and as costly to build); autograd saves it.
+    """The product of ``cores``, in ``accounting.from_right``'s direction. Left to right, ``R`` (outer
+    ranks ``(r_d, 1)``) would hold ``(r_d, P, r_k)``, ``r_k`` times as large as from the right (and as
+    costly to build); autograd saves it.
     """
-    if cores[0].shape[0] > cores[-1].shape[-1]:
+    if from_right(cores[0].shape[0], cores[-1].shape[-1]):
         z = cores[-1]  # (r_{D-1}, n_D, r_D)
         r_last = z.shape[-1]
         for c in cores[-2::-1]:  # c: (r, n, r')

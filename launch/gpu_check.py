@@ -119,8 +119,8 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
     return 1 if problems else 0
 
 
-HEADLINE_FILES = ("kernels", "six-encoder", "trainer-rate", "trainer-rate-nocheck", "trainer-rate-lean",
-                  "trainer-rate-graphs")
+HEADLINE_FILES = ("kernels", "six-encoder", "six-encoder-compiled", "trainer-rate", "trainer-rate-nocheck",
+                  "trainer-rate-lean", "trainer-rate-graphs")
 """The benchmark JSONs whose metrics the summary prints (what the GPU figures in docs/ come from)."""
 
 
@@ -141,7 +141,7 @@ def summary(outdir: str) -> int:
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
-        print(f"  {r['status']:8s} {r['seconds']:7.1f} s  {r['step']:24s} {r['log']}")
+        print(f"  {r['status']:8s} {r['seconds']:7.1f} s  {r['step']:28s} {r['log']}")
     for name, metrics in figures.items():  # the measured figures, e.g. trainer and bench step rates side by side
         print(f"  {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "

@@ -212,9 +212,22 @@ def main(argv: list[str]) -> int:
                    help="run the device comparison (dense, CoMERA, GaLore; fp32 and bf16) on this device, "
                         "e.g. cuda; metrics carry the device type. Default: cuda when a GPU is visible, "
                         "otherwise the CPU dense-vs-CoMERA run")
+    device_only = p.add_argument_group("device comparison only (--device)")
+    device_only.add_argument("--modes", nargs="+", choices=("eager", "graph", "compiled", "compiled-graph"),
+                             help="step modes to run (default: eager, and graph on CUDA). graph: the whole step "
+                                  "in one CUDA graph; compiled: the loss through torch.compile(fullgraph=True); "
+                                  "compiled-graph: both. GaLore runs eager only; graphs need CUDA")
+    device_only.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), help="default: both")
+    device_only.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="default: all three")
+    device_only.add_argument("--compile-backend", default="inductor",
+                             help="torch.compile backend of the compiled modes (default inductor; aot_eager "
+                                  "traces forward and backward without code generation)")
     args = p.parse_args(argv)
     if args.device is None and torch.cuda.is_available():
         args.device = "cuda"  # on a GPU machine the benchmark is the GPU comparison (launch/gpu_check.sh)
+    if args.device is None and (args.modes or args.dtypes or args.contenders):
+        p.error("--modes, --dtypes and --contenders select rows of the device comparison: add --device "
+                "(e.g. --device cpu)")
     steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):

@@ -6,6 +6,11 @@ Each contender runs in every mode it supports:
 - ``graph`` (CUDA only; dense and CoMERA): the whole step captured once in a CUDA graph and
   replayed (``bench.graphed``), the paper's own GPU optimisation. GaLore's projections are host
   work and cannot be captured.
+- ``compiled`` and ``compiled-graph`` (dense and CoMERA, only when ``--modes`` asks): the loss
+  (forward and, through AOTAutograd, backward) compiled by ``torch.compile(fullgraph=True)``
+  (``--compile-backend``, inductor by default), stepped eagerly or captured like ``graph``. Inductor
+  fuses the element-wise work both models share (LayerNorm, GELU, dropout, residuals, the gate
+  masks), which is most of a bf16 step once launches are gone; the AdamW step stays torch's fused one.
 
 The headline metrics compare each contender in its **fastest** mode at that batch and dtype
 (CoMERA graphed against dense graphed, if that is dense's best), so a speedup is never CoMERA's
@@ -40,11 +45,28 @@ from comera_dist.bench.six_encoder import (
 )
 
 DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+MODES = ("eager", "graph", "compiled", "compiled-graph")
 
 
-def modes(name: str, device: torch.device) -> tuple[str, ...]:
-    """The modes ``name`` runs in on ``device``: graphs need CUDA and a capturable optimizer."""
-    return ("eager", "graph") if device.type == "cuda" and name != "galore" else ("eager",)
+def modes(name: str, device: torch.device, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The modes of ``wanted`` (default: eager, and graph on CUDA) that ``name`` can run on ``device``:
+    graphs need CUDA and a capturable optimizer, and GaLore (host-side projections) runs eagerly only."""
+    wanted = ("eager", "graph") if wanted is None else wanted
+    unknown = sorted(set(wanted) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; the modes are {list(MODES)}")
+    if name == "galore":
+        return tuple(m for m in wanted if m == "eager")
+    return tuple(m for m in wanted if device.type == "cuda" or not m.endswith("graph"))
+
+
+def compile_loss(c: Contender, backend: str) -> Contender:
+    """``c`` with its loss compiled whole (``fullgraph=True``: a graph break is an error, not a silent
+    eager fallback; static shapes: each batch size is its own graph). Dynamo's caches are reset first:
+    the previous contender's graphs (guarded on its modules) would only count against the recompile limit."""
+    torch._dynamo.reset()
+    c.loss = torch.compile(c.loss, fullgraph=True, dynamic=False, backend=backend)
+    return c
 
 
 def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
@@ -63,8 +85,8 @@ def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> di
     """Median/min step time of ``steps`` timed steps after the warm-up, and the peak bytes, in ``mode``
     (the allocator's peak: the caller subtracts what was allocated before the contender was built)."""
     _free_cublas_workspaces(batch["input_ids"].device)  # an earlier batch size's (or graph stream's) workspace
-    if mode == "eager":
-        c.train_step(batch)  # warm-up (GaLore: its first projections)
+    if not mode.endswith("graph"):
+        c.train_step(batch)  # warm-up (GaLore: its first projections; compiled: the compilation)
         t = time_steps(c.train_step, batch, steps)
         return {**t, "peak_bytes": peak_step_bytes(c, batch)}
     from comera_dist.bench.graphed import GraphedStep
@@ -120,9 +142,10 @@ def _best(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, An
 
 
 def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[str, float]:
-    """Speedups and memory ratios, best mode against best mode (and eager against eager)."""
+    """Speedups and memory ratios, best mode against best mode (and each mode against the same mode:
+    ``speedup_vs_dense_eager_...``, ``..._compiled_graph_...``)."""
     best = _best(rows)
-    eager = {(r["contender"], r["dtype"], r["batch"]): r for r in rows if r["mode"] == "eager" and "error" not in r}
+    same = {(r["contender"], r["mode"], r["dtype"], r["batch"]): r for r in rows if "error" not in r}
     b_lo = min(sizes)
     out: dict[str, float] = {}
     for dtype in DEVICE_DTYPES:
@@ -130,9 +153,10 @@ def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[s
             if ("dense", dtype, b) in best and ("comera", dtype, b) in best:
                 out[f"speedup_vs_dense_b{b}_{dev}_{dtype}"] = \
                     best["dense", dtype, b]["step_s"] / best["comera", dtype, b]["step_s"]
-            if ("dense", dtype, b) in eager and ("comera", dtype, b) in eager:
-                out[f"speedup_vs_dense_eager_b{b}_{dev}_{dtype}"] = \
-                    eager["dense", dtype, b]["step_s"] / eager["comera", dtype, b]["step_s"]
+            for mode in MODES:
+                if ("dense", mode, dtype, b) in same and ("comera", mode, dtype, b) in same:
+                    out[f"speedup_vs_dense_{mode.replace('-', '_')}_b{b}_{dev}_{dtype}"] = \
+                        same["dense", mode, dtype, b]["step_s"] / same["comera", mode, dtype, b]["step_s"]
         if ("galore", dtype, b_lo) in best and ("comera", dtype, b_lo) in best:
             suffix = "" if dtype == "fp32" else f"_{dtype}"
             out[f"speedup_vs_galore_b{b_lo}_{dev}{suffix}"] = \
@@ -149,13 +173,17 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     where the paper compares it); one JSON result with the rows and ``metrics_of`` them."""
     load_start = os.getloadavg()
     b_lo = min(sizes)
+    wanted = tuple(args.modes) if args.modes else None
     rows: list[dict[str, Any]] = []
-    for dtype_name, autocast in DEVICE_DTYPES.items():
-        for name in ("dense", "comera", "galore"):
-            for mode in modes(name, device):
+    for dtype_name in args.dtypes or DEVICE_DTYPES:
+        autocast = DEVICE_DTYPES[dtype_name]
+        for name in args.contenders or ("dense", "comera", "galore"):
+            for mode in modes(name, device, wanted):
                 base = _baseline(device)  # what earlier contenders left: not this one's memory
-                c = make_contender(name, smoke=args.smoke, device=device, capturable=mode == "graph")
+                c = make_contender(name, smoke=args.smoke, device=device, capturable=mode.endswith("graph"))
                 c.autocast = autocast
+                if mode.startswith("compiled"):
+                    compile_loss(c, args.compile_backend)
                 for b in sizes if name != "galore" else [b_lo]:
                     batch = random_batch(c.model, b, smoke=args.smoke)
                     row: dict[str, Any] = {"contender": name, "mode": mode, "dtype": dtype_name, "batch": b,
@@ -178,7 +206,9 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
               "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
-              "modes": "eager; graph = whole step in one CUDA graph (bench/graphed.py); metrics: best mode each",
+              "modes": "eager; graph = whole step in one CUDA graph (bench/graphed.py); compiled = loss through "
+                       f"torch.compile(backend={args.compile_backend!r}); metrics: best mode each",
+              "modes_run": sorted({r["mode"] for r in rows}),
               "target": {f"speedup_vs_dense_b32_{dev}_fp32": 2.0, f"speedup_vs_dense_b32_{dev}_bf16": 1.5,
                          f"speedup_vs_galore_b1_{dev}": 2.0, f"memory_ratio_galore_over_comera_b1_{dev}": 9.0},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}

@@ -31,7 +31,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert p.returncode == 0 and summary.get("ok"), (p.stdout[-3000:], p.stderr[-3000:],
                                                        {k: v for k, v in logs.items() if any(f in k for f in failed)})
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
-                                                     "pretrain-z3", "bench-kernels", "bench-six-encoder", "trainer-rate",
+                                                     "pretrain-z3", "bench-kernels", "bench-six-encoder",
+                                                     "bench-six-encoder-compiled", "trainer-rate",
                                                      "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
@@ -41,6 +42,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert "physical prune, engine rebuilt" in a and "stage 1" in a  # the late stage ran
     assert json.loads((out / "kernels.json").read_text())["benchmark"] == "kernels"
     assert json.loads((out / "six-encoder.json").read_text())["benchmark"] == "six-encoder"
+    compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
+    assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     rate = json.loads((out / "trainer-rate.json").read_text())["metrics"]
     # the summary reports the trainer's and the bench's step rates side by side
     assert summary["metrics"]["trainer-rate"] == rate and rate["trainer_tokens_per_s"] > 0

@@ -1,0 +1,88 @@
+"""``bench six-encoder --device --modes ... compiled``: the compiled step computes the eager step, and the
+mode selection says what runs where.
+
+The compiled modes are inductor on a GPU; here the ``aot_eager`` backend traces forward and backward the
+same way (Dynamo, AOTAutograd, fullgraph) without code generation, which takes minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from comera_dist.bench import six_encoder
+from comera_dist.bench.six_encoder_device import compile_loss, modes
+
+
+def _no_dropout(c: six_encoder.Contender) -> six_encoder.Contender:
+    for m in c.model.modules():  # traced dropout draws its masks in another order than eager's
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):
+            m.dropout = 0.0
+    return c
+
+
+def _step(c: six_encoder.Contender, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = c.loss(batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in c.model.named_parameters() if p.grad is not None}
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", ["comera", "dense"])
+def test_compiled_loss_is_one_graph_and_steps_like_eager(name):
+    eager = _no_dropout(six_encoder.make_contender(name, smoke=True))
+    compiled = _no_dropout(six_encoder.make_contender(name, smoke=True))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_loss(compiled, counter)
+    for seed in range(3):  # new data each step, the same (static) shapes: compiled once
+        batch = six_encoder.random_batch(eager.model, 2, smoke=True, seed=seed)
+        want, want_grads = _step(eager, batch)
+        got, got_grads = _step(compiled, batch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got_grads.keys() == want_grads.keys()
+        for n, g in want_grads.items():
+            torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-6, msg=f"step {seed}: {n}.grad")
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: the loss was not compiled whole, or recompiled"
+    for p, q in zip(eager.model.parameters(), compiled.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_modes_keep_what_each_contender_and_device_can_run():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert modes("comera", cpu) == ("eager",)
+    assert modes("comera", cuda) == ("eager", "graph")
+    everything = ("eager", "graph", "compiled", "compiled-graph")
+    assert modes("dense", cpu, everything) == ("eager", "compiled")  # graphs need CUDA
+    assert modes("dense", cuda, everything) == everything
+    assert modes("galore", cuda, everything) == ("eager",)  # GaLore's projections are host work
+    assert modes("galore", cuda, ("compiled-graph",)) == ()
+    with pytest.raises(ValueError, match="unknown mode"):
+        modes("comera", cuda, ("graphs",))
+
+
+def test_device_run_records_compiled_rows_and_their_ratio(tmp_path):
+    out = tmp_path / "se.json"
+    assert six_encoder.main(["--smoke", "--device", "cpu", "--modes", "eager", "compiled", "--dtypes", "bf16",
+                             "--contenders", "dense", "comera", "--compile-backend", "aot_eager",
+                             "--batch-sizes", "2", "--steps", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    rows = {(row["contender"], row["mode"], row["dtype"], row["batch"]): row for row in r["rows"]}
+    assert rows.keys() == {(c, m, "bf16", 2) for c in ("dense", "comera") for m in ("eager", "compiled")}
+    assert all("error" not in row and row["step_s"] > 0 for row in rows.values())
+    m = r["metrics"]
+    assert m["speedup_vs_dense_compiled_b2_cpu_bf16"] == pytest.approx(
+        rows["dense", "compiled", "bf16", 2]["step_s"] / rows["comera", "compiled", "bf16", 2]["step_s"])
+    assert r["config"]["modes_run"] == ["compiled", "eager"]
+
+
+def test_row_selection_needs_the_device_comparison(capsys):
+    with pytest.raises(SystemExit):
+        six_encoder.main(["--smoke", "--modes", "compiled"])
+    assert "--device" in capsys.readouterr().err

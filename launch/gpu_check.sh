@@ -12,7 +12,7 @@
 # Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
-# six-encoder (eager and CUDA-graph modes; then at batch 32 in bf16 with the loss compiled by inductor, captured
+# six-encoder (eager and CUDA-graph modes; at batch 1 with a 4 MiB cuBLAS workspace; at batch 32 in bf16 with the loss compiled by inductor, captured
 # and not); bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml,
 # 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch), eager (also in bf16 without
 # DeepSpeed's per-gradient overflow check, deepspeed.bf16_overflow_check=false, and, as trainer-rate-lean, also
@@ -51,6 +51,7 @@ if [ "$MODE" = gpu ]; then
   KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
+  BENCH_SIX_WS=(-m comera_dist.bench six-encoder --batch-sizes 1 --dtypes fp32 --steps 10)
   # the bf16 target's candidate: inductor fuses the element-wise work both models share (one compile each)
   BENCH_SIX_COMPILED=(-m comera_dist.bench six-encoder --modes graph compiled-graph --dtypes bf16
                       --contenders dense comera --batch-sizes 32 --steps 10)
@@ -70,6 +71,7 @@ else
   KERNEL_TESTS=(-m pytest -q -p no:cacheprovider tests/kernels/test_dispatch.py -k "not without_the_interpreter")
   BENCH_KERNELS=(-m comera_dist.bench kernels --allow-cpu --tokens 32 --steps 1)
   BENCH_SIX=(-m comera_dist.bench six-encoder --smoke --batch-sizes 1 --steps 1)
+  BENCH_SIX_WS=(-m comera_dist.bench six-encoder --smoke --device cpu --batch-sizes 1 --dtypes fp32 --steps 1)
   BENCH_SIX_COMPILED=(-m comera_dist.bench six-encoder --smoke --device cpu --modes eager compiled --dtypes bf16
                       --contenders dense comera --batch-sizes 1 --steps 1 --compile-backend aot_eager)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)
@@ -89,7 +91,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-compiled trainer-rate trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled trainer-rate trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -163,6 +165,10 @@ for stage in 1 2 3; do
 done
 run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"
 run_step bench-six-encoder "$T_BENCH" "$PYTHON" "${BENCH_SIX[@]}" --json "$OUT/six-encoder.json"
+# batch 1 again with a 4 MiB cuBLAS workspace per stream for every contender (torch's default is 65 MiB on the
+# H200, the largest term of CoMERA's batch-1 peak): the memory ratio and the speeds under it, side by side
+run_step bench-six-encoder-ws4 "$T_BENCH" env CUBLAS_WORKSPACE_CONFIG=:4096:1 CUBLASLT_WORKSPACE_SIZE=4096 \
+  "$PYTHON" "${BENCH_SIX_WS[@]}" --json "$OUT/six-encoder-ws4.json"
 run_step bench-six-encoder-compiled $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_COMPILED[@]}" \
   --json "$OUT/six-encoder-compiled.json"
 run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"

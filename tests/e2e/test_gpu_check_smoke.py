@@ -32,8 +32,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                        {k: v for k, v in logs.items() if any(f in k for f in failed)})
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
-                                                     "bench-six-encoder-compiled", "trainer-rate",
-                                                     "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs"]
+                                                     "bench-six-encoder-ws4", "bench-six-encoder-compiled",
+                                                     "trainer-rate", "trainer-rate-nocheck", "trainer-rate-lean",
+                                                     "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
@@ -42,6 +43,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert "physical prune, engine rebuilt" in a and "stage 1" in a  # the late stage ran
     assert json.loads((out / "kernels.json").read_text())["benchmark"] == "kernels"
     assert json.loads((out / "six-encoder.json").read_text())["benchmark"] == "six-encoder"
+    ws = json.loads((out / "six-encoder-ws4.json").read_text())  # every contender under a 4 MiB workspace
+    assert ws["config"]["cublas_workspace_env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:1",
+                                                    "CUBLASLT_WORKSPACE_SIZE": "4096"}
+    assert summary["metrics"]["six-encoder-ws4"]["memory_ratio_galore_over_comera_b1_cpu"] > 0
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     rate = json.loads((out / "trainer-rate.json").read_text())["metrics"]

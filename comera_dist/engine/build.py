@@ -14,6 +14,7 @@ from comera_dist.compression.groups import param_groups
 from comera_dist.engine.config import DeepSpeedSection, to_deepspeed_dict
 from comera_dist.engine.device import accelerator_device, buffers_to
 from comera_dist.engine.distributed import disable_shm_op
+from comera_dist.engine.packing import pack_vectors, packed_of
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -54,9 +55,17 @@ def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_s
     return buffers_to(model, accelerator_device())
 
 
+def packs(section: DeepSpeedSection) -> bool:
+    """Whether engines of ``section`` train the dense vectors packed (``deepspeed.pack_vectors``, ZeRO 0-2)."""
+    return section.pack_vectors and section.zero_stage != 3
+
+
 def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection, *, world_size: int,
                total_steps: int) -> Built:
-    """``deepspeed.initialize`` with AdamW param groups by role (cores, gates, dense) and their lrs."""
+    """``deepspeed.initialize`` with AdamW param groups by role (cores, gates, dense) and their lrs,
+    the dense vectors packed into one parameter first where ``packs(section)``."""
+    if packs(section) and packed_of(model) is None:
+        pack_vectors(model)
     groups = param_groups(model, comera.lr)
     if not groups:
         raise ValueError(f"{type(model).__name__} has no trainable parameters")
@@ -64,5 +73,8 @@ def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection
                                   group_lrs=[g["lr"] for g in groups], weight_decay=comera.lr.weight_decay)
     disable_shm_op()
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    packed = packed_of(model)
+    if packed is not None:
+        packed.install(detached=True)  # views of the flat parameter DeepSpeed moved, cast and re-viewed
     return Built(engine=engine, optimizer=optimizer, scheduler=scheduler, ds_config=ds_config,
                  group_names=[g["name"] for g in groups])

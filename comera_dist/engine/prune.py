@@ -22,6 +22,7 @@ from comera_dist.compression.pruning import PruningPlan, apply_plan, make_plan
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.engine.device import accelerator_device
 from comera_dist.engine.hooks import full_fp32, full_shape, set_full
+from comera_dist.engine.packing import pack_state, unpack_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -96,6 +97,7 @@ def gather_full_state(engine) -> FullState:
             by_id[id(p)] = (value.clone(), m)
         params[name], moments[name] = by_id[id(p)]
     buffers = {n: b.detach().to(device).clone() for n, b in module.named_buffers()}
+    unpack_state(module, params, moments)  # per-module names, whatever the engine packed
     return FullState(params=params, buffers=buffers, moments=moments, step=step)
 
 
@@ -177,12 +179,14 @@ def restore_optimizer_state(engine, state: FullState, *, set_master: bool) -> No
         slot.setdefault("exp_avg_sq", torch.zeros_like(flat))
         slot["step"] = torch.tensor(float(state.step), device=flat.device if on_device else "cpu")
     link_optimizer_state(engine)
+    params, moments = dict(state.params), dict(state.moments)
+    pack_state(engine.module, params, moments)  # the engine's own names (engine.packing)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         if set_master:
-            set_full(p, state.params[name], "fp32")
-        for key, value in state.moments.get(name, {}).items():
+            set_full(p, params[name], "fp32")
+        for key, value in moments.get(name, {}).items():
             if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
                 set_full(p, value, key)
             else:

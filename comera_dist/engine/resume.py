@@ -23,6 +23,7 @@ from comera_dist.compression.pruning import PruningPlan
 from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
+from comera_dist.engine.build import packs
 from comera_dist.engine.prune import load_full_state, model_at_shapes, restore_optimizer_state
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
                     "rng": rng, "world_size": session.world_size}
     meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
-            "param_layout": ckpt.PARAM_LAYOUT}
+            "param_layout": ckpt.PARAM_LAYOUT, "packed_vectors": packs(session.cfg.deepspeed)}
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size
@@ -87,9 +88,10 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
     Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
     the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
-    shapes. A checkpoint of another world size or ZeRO stage is loaded from its consolidated
-    state (``engine/elastic.py``), and so is one written before each layer's gates and cores became
-    one parameter each (``param_layout`` 1 or 2), converted by ``elastic.upgrade_layout``. Collective.
+    shapes. A checkpoint of another world size, ZeRO stage or vector packing (``engine.packing``) is
+    loaded from its consolidated state (``engine/elastic.py``), and so is one written before each
+    layer's gates and cores became one parameter each (``param_layout`` 1 or 2), converted by
+    ``elastic.upgrade_layout``. Collective.
     """
     path = ckpt.choose(spec, session.checkpoint_root)
     if path is None:
@@ -99,11 +101,15 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     plans = [PruningPlan.from_json(text) for text in meta["plans"]]
     rank, stage = dist.get_rank(), session.cfg.deepspeed.zero_stage
     legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
-    if legacy or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
+    # DeepSpeed's shards hold the packed vectors only if the writing engine packed them (engine.packing)
+    repacked = meta.get("packed_vectors", False) != packs(session.cfg.deepspeed)
+    if legacy or repacked or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
         if rank == 0:
-            log.info("elastic resume from %s: %s", path, f"parameter layout {meta.get('param_layout', 1)} -> "
-                     f"{ckpt.PARAM_LAYOUT} (one core and one gate parameter per layer)"
-                     if legacy else elastic.describe_move(meta, session.world_size, stage))
+            why = (f"parameter layout {meta.get('param_layout', 1)} -> {ckpt.PARAM_LAYOUT} (one core and one gate "
+                   f"parameter per layer)" if legacy else elastic.describe_move(meta, session.world_size, stage))
+            if repacked:
+                why += f", dense vectors {'packed -> unpacked' if meta.get('packed_vectors') else 'unpacked -> packed'}"
+            log.info("elastic resume from %s: %s", path, why)
         payload = ckpt.read_full_state(path)
         if legacy:
             payload = elastic.upgrade_layout(payload)

@@ -12,18 +12,20 @@
 # Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
-# six-encoder (eager and CUDA-graph modes; at batch 1 with a 4 MiB cuBLAS workspace; at batch 32 in bf16 with the loss compiled by inductor, captured
-# and not); bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml,
-# 1 GPU, ZeRO 1, against the bare CoMERA step of the same model and batch), eager (also in bf16 without
-# DeepSpeed's per-gradient overflow check, deepspeed.bf16_overflow_check=false, and, as trainer-rate-lean, also
-# without ZeRO's contiguous gradient buffer, deepspeed.contiguous_gradients=false) and then compiled with
-# train.compile_mode=reduce-overhead (CUDA graphs). Each step is bounded by `timeout` and by what is left of the budget; a failed step does
-# not stop the others. Exit 0 only if every step passed.
+# six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
+# contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor, captured and not (-compiled);
+# bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml, 1 GPU, ZeRO 1, against the bare
+# CoMERA step of the same model and batch), eager, then with every parameter its own tensor
+# (-unpacked: deepspeed.pack_vectors=false), in bf16 without DeepSpeed's per-gradient overflow check
+# (-nocheck: deepspeed.bf16_overflow_check=false), also without ZeRO's contiguous gradient buffer
+# (-lean: deepspeed.contiguous_gradients=false), and compiled with train.compile_mode=reduce-overhead
+# (-graphs: CUDA graphs). Each step is bounded by `timeout` and by what is left of the budget; a failed
+# step does not stop the others. Exit 0 only if every step passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -ge 1 ] || { sed -n '3,17p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '3,23p' "$0" >&2; exit 2; }
 OUT=$1; shift
 MODE=gpu
 if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
@@ -91,7 +93,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled trainer-rate trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -172,6 +174,9 @@ run_step bench-six-encoder-ws4 "$T_BENCH" env CUBLAS_WORKSPACE_CONFIG=:4096:1 CU
 run_step bench-six-encoder-compiled $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_COMPILED[@]}" \
   --json "$OUT/six-encoder-compiled.json"
 run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"
+# the same with every parameter its own tensor (deepspeed.pack_vectors=false): what packing the vectors buys
+run_step trainer-rate-unpacked "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.pack_vectors=false \
+  --json "$OUT/trainer-rate-unpacked.json"
 # the same without DeepSpeed's per-gradient bf16 overflow check (deepspeed.bf16_overflow_check=false)
 run_step trainer-rate-nocheck "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.precision=bf16 \
   --set deepspeed.bf16_overflow_check=false --json "$OUT/trainer-rate-nocheck.json"

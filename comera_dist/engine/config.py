@@ -131,7 +131,7 @@ class DeepSpeedSection:
     pack_vectors: bool = True
     """ZeRO 0-2: train the model's 1-D dense parameters (the TT layers' biases, the LayerNorms) as one flat
     parameter (``engine.packing``), so DeepSpeed's per-tensor work runs once for all of them instead of
-    once each (six-encoder MLM: 143 -> 80 parameter tensors). The same numbers train the same way, and
+    once each (six-encoder MLM: 143 -> 78 parameter tensors). The same numbers train the same way, and
     state dicts and exports keep the per-module keys. ZeRO-3 never packs (it gathers each module's own
     parameters around its forward). ``false``: every parameter its own tensor, as built."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -33,6 +33,7 @@ from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.device import batches_to_device
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.model_factory import build_run_model
+from comera_dist.engine.packing import unpack_saved
 from comera_dist.engine.prune import model_at_shapes
 from comera_dist.engine.token_stats import label_token_sums
 from comera_dist.models.gpt import GPT
@@ -114,6 +115,10 @@ def load_run(spec: str | Path) -> LoadedRun:
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_run_model(cfg), plans)
     state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))
+    try:
+        unpack_saved(model, state)  # a packed run's shards (deepspeed.pack_vectors) hold one flat vector
+    except ValueError as e:
+        raise InputError(f"checkpoint {path} does not match its config's model: {e}") from e
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in dict(model.named_buffers())]
     if missing or unexpected:

@@ -3,9 +3,9 @@
 DeepSpeed's ZeRO 1-2 step does its bookkeeping per parameter tensor: copying each gradient into its
 partition, one norm per gradient, re-viewing each weight into the flat buffer, the bf16 overflow check
 (about 34 aten ops per tensor and step; most of them kernel launches on a GPU). A six-encoder MLM has
-143 parameter tensors, 64 of them 1-D vectors of the "dense" role: the TT layers' biases and the
-LayerNorms. Trained as one flat parameter, the same numbers train the same way (AdamW is
-element-wise, and they share one param group) and DeepSpeed sees 80 tensors.
+143 parameter tensors, 66 of them 1-D vectors of the "dense" role: the TT layers' biases, the
+LayerNorms and the MLM head's. Trained as one flat parameter, the same numbers train the same way (AdamW is
+element-wise, and they share one param group) and DeepSpeed sees 78 tensors.
 
 This is the flat-parameter technique of PyTorch FSDP (``use_orig_params=False``): the owners' own
 parameters are removed and, at the start of every forward of the model, each owner gets a plain-tensor
@@ -21,6 +21,8 @@ rebuild move between packed (ZeRO 0-2) and unpacked (ZeRO-3, where each module's
 its own for DeepSpeed to gather them around its forward) engines. DeepSpeed's own ZeRO shards record
 the packed parameter, so they only load into a packed engine: a checkpoint's meta says whether it was
 packed (``packed_vectors``), and ``engine.resume`` takes the consolidated route when that differs.
+``zero_to_fp32`` of those shards yields the flat entry; ``unpack_saved`` splits it for the unpacked
+model (``comera evaluate`` and ``export`` read checkpoints that way).
 """
 
 from __future__ import annotations
@@ -94,26 +96,12 @@ def pack_vectors(model: nn.Module) -> PackedVectors | None:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError("pack_vectors: the model is partitioned by ZeRO-3, whose per-module gathering needs "
                          "every module's parameters to stay its own")
-    roles = param_roles(model)  # cores and gates: their own groups, and pruned, so never packed
-    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    first: dict[int, nn.Parameter] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for attr, p in module._parameters.items():
-            if p is None or id(p) in roles or not p.requires_grad or p.dim() != 1 or not p.is_floating_point():
-                continue
-            owners.setdefault(id(p), []).append((f"{prefix}.{attr}" if prefix else attr, module, attr))
-            first.setdefault(id(p), p)
-    if not first:
+    chosen = _plan(model)
+    if not chosen:
         return None
-    dtype, device = next(iter(first.values())).dtype, next(iter(first.values())).device
-    chosen = [pid for pid, p in first.items() if p.dtype == dtype and p.device == device]
-    if len(chosen) < 2:
-        return None
-    pieces = [Piece(names=tuple(n for n, _, _ in owners[pid]),
-                    owners=tuple({(id(m), a): (m, a) for _, m, a in owners[pid]}.values()),  # a module used twice
-                    shape=tuple(first[pid].shape)) for pid in chosen]
+    pieces = [piece for piece, _ in chosen]
     with torch.no_grad():
-        flat = torch.cat([first[pid].detach().reshape(-1) for pid in chosen])
+        flat = torch.cat([p.detach().reshape(-1) for _, p in chosen])
     for piece in pieces:
         for module, attr in piece.owners:
             del module._parameters[attr]
@@ -125,6 +113,45 @@ def pack_vectors(model: nn.Module) -> PackedVectors | None:
     model.register_state_dict_post_hook(_unpack_state_dict)
     model.register_load_state_dict_pre_hook(_pack_state_dict)
     return packed
+
+
+def _plan(model: nn.Module) -> list[tuple[Piece, nn.Parameter]]:
+    """The vectors ``pack_vectors`` packs, in order (deterministic for an architecture at given shapes:
+    ``unpack_saved`` relies on it), each with its parameter; empty when fewer than two."""
+    roles = param_roles(model)  # cores and gates: their own groups, and pruned, so never packed
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    first: dict[int, nn.Parameter] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is None or id(p) in roles or not p.requires_grad or p.dim() != 1 or not p.is_floating_point():
+                continue
+            owners.setdefault(id(p), []).append((f"{prefix}.{attr}" if prefix else attr, module, attr))
+            first.setdefault(id(p), p)
+    if not first:
+        return []
+    dtype, device = next(iter(first.values())).dtype, next(iter(first.values())).device
+    chosen = [pid for pid, p in first.items() if p.dtype == dtype and p.device == device]
+    if len(chosen) < 2:
+        return []
+    return [(Piece(names=tuple(n for n, _, _ in owners[pid]),
+                   owners=tuple({(id(m), a): (m, a) for _, m, a in owners[pid]}.values()),  # a module used twice
+                   shape=tuple(first[pid].shape)), first[pid]) for pid in chosen]
+
+
+def unpack_saved(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """In place: a state dict read from a packed run's DeepSpeed shards (``zero_to_fp32`` yields the flat
+    ``NAME`` entry) gets the per-module keys of ``model``, the unpacked model at the run's shapes."""
+    flat = state.pop(NAME, None)
+    if flat is None:
+        return
+    pieces = [piece for piece, _ in _plan(model)]
+    total = sum(p.numel for p in pieces)
+    if flat.numel() != total:
+        raise ValueError(f"the saved {NAME!r} holds {flat.numel()} values; the model's {len(pieces)} dense "
+                         f"vectors hold {total}")
+    for piece, chunk in zip(pieces, flat.split([p.numel for p in pieces]), strict=True):
+        for name in piece.names:
+            state[name] = chunk.view(piece.shape)
 
 
 def _install(model: nn.Module, args) -> None:

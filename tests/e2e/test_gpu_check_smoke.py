@@ -33,8 +33,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
-                                                     "trainer-rate", "trainer-rate-nocheck", "trainer-rate-lean",
-                                                     "trainer-rate-graphs"]
+                                                     "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
+                                                     "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
@@ -53,6 +53,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     # the summary reports the trainer's and the bench's step rates side by side
     assert summary["metrics"]["trainer-rate"] == rate and rate["trainer_tokens_per_s"] > 0
     assert f"trainer_rate_over_bench {rate['trainer_rate_over_bench']:.4g}" in p.stdout
+    unpacked = json.loads((out / "trainer-rate-unpacked.json").read_text())
+    assert "deepspeed.pack_vectors=false" in unpacked["config"]["overrides"]
+    assert summary["metrics"]["trainer-rate-unpacked"]["trainer_tokens_per_s"] > 0
     nocheck = json.loads((out / "trainer-rate-nocheck.json").read_text())
     assert {"deepspeed.precision=bf16", "deepspeed.bf16_overflow_check=false"} <= set(nocheck["config"]["overrides"])
     assert summary["metrics"]["trainer-rate-nocheck"]["trainer_tokens_per_s"] > 0

@@ -10,7 +10,7 @@ from torch import nn
 
 from comera_dist.bench import six_encoder
 from comera_dist.compression.groups import param_roles
-from comera_dist.engine.packing import pack_state, pack_vectors, packed_of, unpack_state
+from comera_dist.engine.packing import pack_state, pack_vectors, packed_of, unpack_saved, unpack_state
 
 
 def _model() -> nn.Module:
@@ -124,3 +124,24 @@ def test_refuses_partitioned_and_repacked_models():
     pack_vectors(model)
     with pytest.raises(ValueError, match="already packed"):
         pack_vectors(model)
+
+
+def test_a_packed_runs_saved_flat_vector_loads_into_the_plain_model():
+    """What ``comera evaluate``/``export`` read from a packed run's ZeRO shards (``zero_to_fp32`` yields the
+    flat entry): ``unpack_saved`` gives it the plain model's keys."""
+    trained, fresh = _model(), _model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1.5)
+    packed_model = copy.deepcopy(trained)
+    pack_vectors(packed_model)
+    saved = {n: p.detach().clone() for n, p in packed_model.named_parameters()}  # what the shards hold
+    saved |= {n: b.clone() for n, b in packed_model.named_buffers()}
+    assert "packed_vectors" in saved
+    unpack_saved(fresh, saved)
+    assert fresh.load_state_dict(saved, strict=True)
+    torch.testing.assert_close(_loss(fresh, 0), _loss(trained, 0))
+    unpack_saved(fresh, saved)  # nothing packed left: a no-op
+    saved["packed_vectors"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="holds 7 values"):
+        unpack_saved(fresh, saved)

@@ -171,9 +171,9 @@ def _detach(model: nn.Module, args, output) -> None:
 
 def _unpack_state_dict(model: nn.Module, state: dict, prefix: str, local_metadata) -> None:
     packed = packed_of(model)
-    flat = state.pop(prefix + NAME, None)
-    if packed is None or flat is None:
+    if packed is None or prefix + NAME not in state:
         return
+    flat = state.pop(prefix + NAME)
     for piece, chunk in zip(packed.pieces, flat.split([p.numel for p in packed.pieces]), strict=True):
         for name in piece.names:
             state[prefix + name] = chunk.view(piece.shape)
@@ -194,12 +194,11 @@ def unpack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str,
     """In place: the packed entry of a consolidated state (weights and AdamW moments, keyed by
     ``named_parameters(remove_duplicate=False)`` names) becomes one entry per piece and owner."""
     packed = packed_of(model)
-    key = NAME
-    if packed is None or key not in params:
+    if packed is None or NAME not in params:
         return
     sizes = [p.numel for p in packed.pieces]
-    values = params.pop(key).split(sizes)
-    states = moments.pop(key, {})
+    values = params.pop(NAME).split(sizes)
+    states = moments.pop(NAME, {})
     split_moments = {k: v.split(sizes) for k, v in states.items()}
     for i, piece in enumerate(packed.pieces):
         for name in piece.names:
@@ -221,6 +220,5 @@ def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, d
         for name in p.names:
             params.pop(name, None)
             moments.pop(name, None)
-    key = NAME
-    params[key] = torch.cat(parts)
-    moments[key] = {k: torch.cat([s[k].reshape(-1) for s in states]) for k in states[0]} if all(states) else {}
+    params[NAME] = torch.cat(parts)
+    moments[NAME] = {k: torch.cat([s[k].reshape(-1) for s in states]) for k in states[0]} if all(states) else {}

@@ -23,6 +23,15 @@ def _model() -> nn.Module:
     return c.model
 
 
+def _perturbed() -> nn.Module:
+    """A model whose every parameter differs from ``_model()``'s (what a trained state looks like)."""
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    return model
+
+
 def _loss(model: nn.Module, seed: int) -> torch.Tensor:
     return model(**six_encoder.random_batch(model, 2, smoke=True, seed=seed))["loss"]
 
@@ -54,10 +63,7 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
 
 
 def test_state_dicts_load_across_packed_and_plain():
-    plain, other = _model(), _model()
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.5)
+    plain, other = _model(), _perturbed()
     packed_model = copy.deepcopy(plain)
     pack_vectors(packed_model)
     packed_model.load_state_dict(other.state_dict())  # plain keys into a packed model
@@ -129,10 +135,7 @@ def test_refuses_partitioned_and_repacked_models():
 def test_a_packed_runs_saved_flat_vector_loads_into_the_plain_model():
     """What ``comera evaluate``/``export`` read from a packed run's ZeRO shards (``zero_to_fp32`` yields the
     flat entry): ``unpack_saved`` gives it the plain model's keys."""
-    trained, fresh = _model(), _model()
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.mul_(1.5)
+    trained, fresh = _perturbed(), _model()
     packed_model = copy.deepcopy(trained)
     pack_vectors(packed_model)
     saved = {n: p.detach().clone() for n, p in packed_model.named_parameters()}  # what the shards hold

@@ -47,6 +47,8 @@ from comera_dist.models.presets import (
 )
 
 CONTENDERS = ("dense", "galore", "comera")
+MODES = ("eager", "graph", "compiled", "compiled-graph")
+"""Step modes of the device comparison (``six_encoder_device``)."""
 SEQ_LEN = 128
 SMOKE_SEQ_LEN = 16
 GALORE = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
@@ -213,7 +215,7 @@ def main(argv: list[str]) -> int:
                         "e.g. cuda; metrics carry the device type. Default: cuda when a GPU is visible, "
                         "otherwise the CPU dense-vs-CoMERA run")
     device_only = p.add_argument_group("device comparison only (--device)")
-    device_only.add_argument("--modes", nargs="+", choices=("eager", "graph", "compiled", "compiled-graph"),
+    device_only.add_argument("--modes", nargs="+", choices=MODES,
                              help="step modes to run (default: eager, and graph on CUDA). graph: the whole step "
                                   "in one CUDA graph; compiled: the loss through torch.compile(fullgraph=True); "
                                   "compiled-graph: both. GaLore runs eager only; graphs need CUDA")

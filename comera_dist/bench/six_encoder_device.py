@@ -36,6 +36,7 @@ from comera_dist.bench.common import write_result
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.bench.six_encoder import (
     ADAMW,
+    MODES,
     SEQ_LEN,
     SMOKE_SEQ_LEN,
     Contender,
@@ -45,7 +46,6 @@ from comera_dist.bench.six_encoder import (
 )
 
 DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-MODES = ("eager", "graph", "compiled", "compiled-graph")
 CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 
 

@@ -101,7 +101,7 @@ def pack_vectors(model: nn.Module) -> PackedVectors | None:
         return None
     pieces = [piece for piece, _ in chosen]
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for _, p in chosen])
+        flat = _cat([p.detach() for _, p in chosen])
     for piece in pieces:
         for module, attr in piece.owners:
             del module._parameters[attr]
@@ -149,9 +149,7 @@ def unpack_saved(model: nn.Module, state: dict[str, Tensor]) -> None:
     if flat.numel() != total:
         raise ValueError(f"the saved {NAME!r} holds {flat.numel()} values; the model's {len(pieces)} dense "
                          f"vectors hold {total}")
-    for piece, chunk in zip(pieces, flat.split([p.numel for p in pieces]), strict=True):
-        for name in piece.names:
-            state[name] = chunk.view(piece.shape)
+    state.update(_split(pieces, flat))
 
 
 def _install(model: nn.Module, args) -> None:
@@ -173,21 +171,15 @@ def _unpack_state_dict(model: nn.Module, state: dict, prefix: str, local_metadat
     packed = packed_of(model)
     if packed is None or prefix + NAME not in state:
         return
-    flat = state.pop(prefix + NAME)
-    for piece, chunk in zip(packed.pieces, flat.split([p.numel for p in packed.pieces]), strict=True):
-        for name in piece.names:
-            state[prefix + name] = chunk.view(piece.shape)
+    for name, view in _split(packed.pieces, state.pop(prefix + NAME)):
+        state[prefix + name] = view
 
 
 def _pack_state_dict(model: nn.Module, state: dict, prefix: str, *args) -> None:
     packed = packed_of(model)
     if packed is None or not all(prefix + p.names[0] in state for p in packed.pieces):
         return  # a packed key, or pieces missing: the normal load reports what is missing
-    parts = [state.pop(prefix + p.names[0]).reshape(-1) for p in packed.pieces]
-    for p in packed.pieces:
-        for name in p.names[1:]:
-            state.pop(prefix + name, None)
-    state[prefix + NAME] = torch.cat(parts)
+    state[prefix + NAME] = _cat(_take(packed.pieces, state, prefix))
 
 
 def unpack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
@@ -196,14 +188,12 @@ def unpack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str,
     packed = packed_of(model)
     if packed is None or NAME not in params:
         return
-    sizes = [p.numel for p in packed.pieces]
-    values = params.pop(NAME).split(sizes)
-    states = moments.pop(NAME, {})
-    split_moments = {k: v.split(sizes) for k, v in states.items()}
-    for i, piece in enumerate(packed.pieces):
+    flat_moments = moments.pop(NAME, {})
+    params.update((n, v.clone()) for n, v in _split(packed.pieces, params.pop(NAME)))
+    per_key = {k: dict(_split(packed.pieces, v)) for k, v in flat_moments.items()}
+    for piece in packed.pieces:
         for name in piece.names:
-            params[name] = values[i].view(piece.shape).clone()
-            moments[name] = {k: v[i].view(piece.shape).clone() for k, v in split_moments.items()}
+            moments[name] = {k: views[name].clone() for k, views in per_key.items()}
 
 
 def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, dict[str, Tensor]]) -> None:
@@ -214,11 +204,25 @@ def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, d
     missing = [p.names[0] for p in packed.pieces if p.names[0] not in params]
     if missing:
         raise ValueError(f"pack_state: the state lacks {missing[:5]} ({len(missing)} packed vectors)")
-    parts = [params[p.names[0]].reshape(-1) for p in packed.pieces]
-    states = [moments.get(p.names[0], {}) for p in packed.pieces]
-    for p in packed.pieces:
-        for name in p.names:
-            params.pop(name, None)
-            moments.pop(name, None)
-    params[NAME] = torch.cat(parts)
-    moments[NAME] = {k: torch.cat([s[k].reshape(-1) for s in states]) for k in states[0]} if all(states) else {}
+    params[NAME] = _cat(_take(packed.pieces, params))
+    states = [s or {} for s in _take(packed.pieces, moments)]
+    moments[NAME] = {k: _cat([s[k] for s in states]) for k in states[0]} if all(states) else {}
+
+
+def _split(pieces: list[Piece], flat: Tensor) -> list[tuple[str, Tensor]]:
+    """``(name, view)`` for every piece and each of its names: ``flat`` cut back into the vectors."""
+    chunks = flat.split([p.numel for p in pieces])
+    return [(name, chunk.view(p.shape)) for p, chunk in zip(pieces, chunks, strict=True) for name in p.names]
+
+
+def _take(pieces: list[Piece], entries: dict, prefix: str = "") -> list:
+    """Pop every piece's entries (under all its names) from ``entries``; the first name's values, in order."""
+    first = [entries.pop(prefix + p.names[0], None) for p in pieces]
+    for p in pieces:
+        for name in p.names[1:]:
+            entries.pop(prefix + name, None)
+    return first
+
+
+def _cat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +68,33 @@ def full_params(session) -> dict[str, torch.Tensor]:
     params = {n: full_fp32(p).clone() for n, p in session.module.named_parameters()}
     unpack_state(session.module, params, {})
     return params
+
+
+KNOB_CASES = ((1, "bf16", 1), (2, "fp32", 2))
+"""(ZeRO stage, precision, micro-batches per step) at which a ``deepspeed`` knob is run both ways."""
+
+
+def knob_runs(outdir: str, rank: int, world_size: int, knob: str, extra: Callable[[Any], dict]) -> dict:
+    """Three steps with ``deepspeed.<knob>`` true and false at each of ``KNOB_CASES``:
+    ``{(stage, value): {"losses", "params", **extra(session)}}`` (collective)."""
+    from comera_dist.engine.session import TrainSession
+
+    out: dict = {}
+    for stage, precision, accum in KNOB_CASES:
+        for value in (True, False):
+            cfg = tiny_config(f"{outdir}/{knob}{stage}{value}", zero_stage=stage, precision=precision,
+                              accumulation=accum, **{knob: value})
+            s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+            losses = [s.train_step([batch(step, rank, m) for m in range(accum)]).task_loss for step in (1, 2, 3)]
+            out[(stage, value)] = {"losses": losses, "params": full_params(s), **extra(s)}
+            s.engine.destroy()
+    return out
+
+
+def assert_same_training(got: dict, want: dict, stage: int) -> None:
+    """Two ``knob_runs`` entries trained the same: losses and every weight, and the losses moved."""
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6)
+    assert want["losses"][2] != want["losses"][0]  # it trained
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"z{stage} {name}")

@@ -11,19 +11,11 @@ import json
 
 import pytest
 import torch
+from bench_cases import no_dropout
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from comera_dist.bench import six_encoder
 from comera_dist.bench.six_encoder_device import compile_loss, modes
-
-
-def _no_dropout(c: six_encoder.Contender) -> six_encoder.Contender:
-    for m in c.model.modules():  # traced dropout draws its masks in another order than eager's
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0
-    return c
 
 
 def _step(c: six_encoder.Contender, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -37,8 +29,8 @@ def _step(c: six_encoder.Contender, batch: dict) -> tuple[torch.Tensor, dict[str
 
 @pytest.mark.parametrize("name", ["comera", "dense"])
 def test_compiled_loss_is_one_graph_and_steps_like_eager(name):
-    eager = _no_dropout(six_encoder.make_contender(name, smoke=True))
-    compiled = _no_dropout(six_encoder.make_contender(name, smoke=True))
+    eager = no_dropout(six_encoder.make_contender(name, smoke=True))
+    compiled = no_dropout(six_encoder.make_contender(name, smoke=True))
     counter = CompileCounterWithBackend("aot_eager")
     compile_loss(compiled, counter)
     for seed in range(3):  # new data each step, the same (static) shapes: compiled once

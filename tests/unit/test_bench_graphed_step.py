@@ -6,20 +6,13 @@ rule (best mode against best mode, failed captures left out) run everywhere.
 
 import pytest
 import torch
+from bench_cases import no_dropout
 
 from comera_dist.bench import six_encoder
 from comera_dist.bench.graphed import GraphedStep
 from comera_dist.bench.six_encoder_device import metrics_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph capture)")
-
-def _no_dropout(c: six_encoder.Contender) -> six_encoder.Contender:
-    for m in c.model.modules():  # the eager and the replayed step must see the same (no) masks
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0  # attention's dropout_p (blocks.py): missed, it made the first H200 run red
-    return c
 
 def _eager_step(c: six_encoder.Contender, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``Contender.train_step``, returning this step's gradients too (``train_step`` clears them)."""
@@ -57,8 +50,8 @@ REPLAY_TOL = {None: 1e-4, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("name", ["comera", "dense"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_replay_matches_the_eager_step(name, autocast):
-    eager = _no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
-    graphed = _no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
+    eager = no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
+    graphed = no_dropout(six_encoder.make_contender(name, smoke=True, device="cuda", capturable=True))
     eager.autocast = graphed.autocast = autocast
     batches = [six_encoder.random_batch(eager.model, 4, smoke=True, seed=s) for s in range(6)]
     for _ in range(3):  # as many steps as GraphedStep's warm-up: every AdamW state tensor exists

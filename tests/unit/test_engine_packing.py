@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from bench_cases import no_dropout
 from torch import nn
 
 from comera_dist.bench import six_encoder
@@ -14,13 +15,7 @@ from comera_dist.engine.packing import pack_state, pack_vectors, packed_of, unpa
 
 
 def _model() -> nn.Module:
-    c = six_encoder.make_contender("comera", smoke=True)
-    for m in c.model.modules():  # the packed and the plain model must draw no masks
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0
-    return c.model
+    return no_dropout(six_encoder.make_contender("comera", smoke=True)).model
 
 
 def _perturbed() -> nn.Module:

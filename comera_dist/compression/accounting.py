@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_dist.compression.groups import param_roles
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.layers.base import gate_alive
 
@@ -149,12 +150,11 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
     / (leftover + active): the whole model, dense leftovers included).
     """
     rows: dict[str, dict[str, Any]] = {}
-    role_ids: set[int] = set()
+    role_ids = {pid for pid, role in param_roles(model).items() if role != "dense"}
     gate_params = 0
     for name, layer in tensorized_modules(model):
         shapes = layer.core_shapes()
         ranks = active_ranks(layer, shape_of)
-        role_ids.update((id(layer.core), id(layer.gate)))
         gate_params += math.prod(shape_of(layer.gate))
         rows[name] = {
             "kind": type(layer).__name__,

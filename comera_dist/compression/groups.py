@@ -1,7 +1,8 @@
 """AdamW parameter groups by ROLE: TT/TTM cores, rank gates, and everything else ("dense").
 
 Roles come from the tensorized layers' ``core`` and ``gate`` parameters, matched by
-object identity, never by parameter name (the reference's name matching misfiled cores).
+object identity, never by parameter name (the reference's name matching misfiled cores); a model
+packed by ``engine.packing`` (one flat parameter per role) reports its flat parameters' roles.
 Default learning rates (``LrConfig``): cores 1e-4, gates 1e-3, dense 5e-5. Gates never
 get weight decay: decay would act as a second, unscheduled rank penalty.
 """
@@ -19,11 +20,15 @@ ROLES = ("cores", "gates", "dense")
 
 
 def param_roles(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> role`` for every core and gate of every tensorized layer."""
+    """``id(parameter) -> role`` for every core and gate of every tensorized layer (for a packed
+    model: of its flat parameters; its layers' ``core``/``gate`` are then views, not parameters)."""
     roles: dict[int, str] = {}
     for _, layer in tensorized_modules(model):
         roles[id(layer.core)] = "cores"
         roles[id(layer.gate)] = "gates"
+    packing = model.__dict__.get("_packing")  # engine.packing.Packing (this package does not import engine)
+    if packing is not None:
+        roles.update(packing.roles())
     return roles
 
 

@@ -56,14 +56,14 @@ def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_s
 
 
 def packs(section: DeepSpeedSection) -> bool:
-    """Whether engines of ``section`` train the dense vectors packed (``deepspeed.pack_vectors``, ZeRO 0-2)."""
+    """Whether engines of ``section`` train the 1-D parameters packed per role (``deepspeed.pack_vectors``, ZeRO 0-2)."""
     return section.pack_vectors and section.zero_stage != 3
 
 
 def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection, *, world_size: int,
                total_steps: int) -> Built:
     """``deepspeed.initialize`` with AdamW param groups by role (cores, gates, dense) and their lrs,
-    the dense vectors packed into one parameter first where ``packs(section)``."""
+    the 1-D parameters packed into one flat parameter per role first where ``packs(section)``."""
     if packs(section) and packed_of(model) is None:
         pack_vectors(model)
     groups = param_groups(model, comera.lr)
@@ -75,6 +75,6 @@ def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     packed = packed_of(model)
     if packed is not None:
-        packed.install(detached=True)  # views of the flat parameter DeepSpeed moved, cast and re-viewed
+        packed.install(detached=True)  # views of the flat parameters DeepSpeed moved, cast and re-viewed
     return Built(engine=engine, optimizer=optimizer, scheduler=scheduler, ds_config=ds_config,
                  group_names=[g["name"] for g in groups])

@@ -4,7 +4,7 @@ Layout under ``<output_dir>/checkpoints``::
 
     step00000012/            one published checkpoint (DeepSpeed's per-rank files)
         comera_meta.json     shapes (pruning plans), config identity, step, world size, ZeRO stage,
-                             parameter layout, whether the dense vectors were packed (engine.packing)
+                             parameter layout, the roles packed into flat parameters (engine.packing)
         comera_full_state.pt full fp32 weights + AdamW moments + schedule (elastic resume, see session)
         config.yaml          the resolved run config
         COMPLETE             the manifest (every file, size, xxh3-128 digest), written last: the checkpoint is whole

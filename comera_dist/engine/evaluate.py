@@ -116,7 +116,7 @@ def load_run(spec: str | Path) -> LoadedRun:
     model = model_at_shapes(lambda: build_run_model(cfg), plans)
     state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))
     try:
-        unpack_saved(model, state)  # a packed run's shards (deepspeed.pack_vectors) hold one flat vector
+        unpack_saved(model, state)  # a packed run's shards (deepspeed.pack_vectors) hold flat parameters per role
     except ValueError as e:
         raise InputError(f"checkpoint {path} does not match its config's model: {e}") from e
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -23,7 +23,7 @@ from comera_dist.compression.pruning import PruningPlan
 from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
-from comera_dist.engine.build import packs
+from comera_dist.engine.packing import packed_roles
 from comera_dist.engine.prune import load_full_state, model_at_shapes, restore_optimizer_state
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
                     "rng": rng, "world_size": session.world_size}
     meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
-            "param_layout": ckpt.PARAM_LAYOUT, "packed_vectors": packs(session.cfg.deepspeed)}
+            "param_layout": ckpt.PARAM_LAYOUT, "packing": packed_roles(session.module)}
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size
@@ -88,7 +88,7 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
     Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
     the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
-    shapes. A checkpoint of another world size, ZeRO stage or vector packing (``engine.packing``) is
+    shapes. A checkpoint of another world size, ZeRO stage or packing (``engine.packing``) is
     loaded from its consolidated state (``engine/elastic.py``), and so is one written before each
     layer's gates and cores became one parameter each (``param_layout`` 1 or 2), converted by
     ``elastic.upgrade_layout``. Collective.
@@ -101,14 +101,15 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     plans = [PruningPlan.from_json(text) for text in meta["plans"]]
     rank, stage = dist.get_rank(), session.cfg.deepspeed.zero_stage
     legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
-    # DeepSpeed's shards hold the packed vectors only if the writing engine packed them (engine.packing)
-    repacked = meta.get("packed_vectors", False) != packs(session.cfg.deepspeed)
+    # DeepSpeed's shards hold flat parameters for the roles the writing engine packed (engine.packing)
+    saved_packing, packing = _saved_roles(meta), packed_roles(session.module)
+    repacked = saved_packing != packing
     if legacy or repacked or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
         if rank == 0:
             why = (f"parameter layout {meta.get('param_layout', 1)} -> {ckpt.PARAM_LAYOUT} (one core and one gate "
                    f"parameter per layer)" if legacy else elastic.describe_move(meta, session.world_size, stage))
             if repacked:
-                why += f", dense vectors {'packed -> unpacked' if meta.get('packed_vectors') else 'unpacked -> packed'}"
+                why += f", packed roles {saved_packing or 'none'} -> {packing or 'none'}"
             log.info("elastic resume from %s: %s", path, why)
         payload = ckpt.read_full_state(path)
         if legacy:
@@ -167,3 +168,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _saved_roles(meta: Mapping[str, Any]) -> list[str]:
+    """The roles a checkpoint's engine packed: its meta's ``packing``; a checkpoint of the first packing
+    (the dense vectors only) says ``packed_vectors: true``; older ones packed nothing."""
+    if "packing" in meta:
+        return sorted(meta["packing"])
+    return ["dense"] if meta.get("packed_vectors") else []

@@ -37,6 +37,7 @@ from comera_dist.engine.device import (
     to_device,
 )
 from comera_dist.engine.hooks import PenaltyHook, gate_refs, gathered
+from comera_dist.engine.packing import attached
 from comera_dist.engine.prune import (
     gather_full_state,
     load_full_state,
@@ -262,7 +263,8 @@ class TrainSession:
             proxy = None
             if self.penalty.active:
                 if self.penalty_in_loss:
-                    penalty = rank_penalty(self.module)  # 0-d, in the graph of the module's whole gates
+                    with attached(self.module, ("gates",)):  # packed gates: views in autograd (engine.packing)
+                        penalty = rank_penalty(self.module)  # 0-d, in the graph of the module's whole gates
                 else:
                     penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
                 objective = self.controller.objective(task, penalty, global_loss=global_loss,

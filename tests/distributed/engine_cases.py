@@ -61,7 +61,7 @@ def micro_batches(step: int, rank: int, accumulation: int) -> list[dict[str, tor
 
 def full_params(session) -> dict[str, torch.Tensor]:
     """Every parameter of the session's model as full fp32 (collective under ZeRO), by its per-module
-    name (``engine.packing``: a packed engine's flat vector parameter is split back into its pieces)."""
+    name (``engine.packing``: a packed engine's flat parameters are split back into their pieces)."""
     from comera_dist.engine.hooks import full_fp32
     from comera_dist.engine.packing import unpack_state
 

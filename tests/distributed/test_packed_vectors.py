@@ -1,5 +1,6 @@
-"""``deepspeed.pack_vectors`` on 2 real ranks: the packed engine trains like the plain one, and checkpoints
-cross between packed and plain engines (ZeRO 1 <-> 3, and the flag flipped at one stage)."""
+"""``deepspeed.pack_vectors`` on 2 real ranks: the packed engine (cores, gates and dense vectors, one flat
+parameter each) trains like the plain one, and checkpoints cross between packed and plain engines
+(ZeRO 1 <-> 3, and the flag flipped at one stage)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from dist_helpers import run_ranks
 from engine_cases import assert_same_training, batch, factory, knob_runs, tiny_config
 
-from comera_dist.engine.packing import NAME
+from comera_dist.engine.packing import NAMES
 
 
 def _cases(rank: int, world_size: int, outdir: str) -> dict:
@@ -58,9 +59,10 @@ def test_packed_engine_trains_like_the_plain_one(runs):
     for rank in (0, 1):
         for stage in (1, 2):
             packed, plain = runs[rank]["train"][(stage, True)], runs[rank]["train"][(stage, False)]
-            assert NAME in packed["names"] and NAME not in plain["names"]
-            # every bias and LayerNorm vector went into the one parameter
-            assert len(plain["names"]) - len(packed["names"]) >= 5, (plain["names"], packed["names"])
+            assert set(NAMES.values()) <= set(packed["names"]) and not set(NAMES.values()) & set(plain["names"])
+            # every core, gate, bias and LayerNorm vector went into the three flat parameters
+            assert not [n for n in packed["names"] if n.endswith((".core", ".gate", ".bias"))], packed["names"]
+            assert len(plain["names"]) - len(packed["names"]) >= 10, (plain["names"], packed["names"])
             assert_same_training(packed, plain, stage)
 
 
@@ -70,6 +72,6 @@ def test_checkpoints_cross_between_packed_and_plain_engines(runs):
         for label in ("unpacked", "zero3", "packed"):
             assert got[label] == pytest.approx(got["straight"], rel=1e-5), (rank, label, got)
     routes = runs[0]["routes"]  # rank 0 logs the consolidated route and why it was taken
-    assert "dense vectors packed -> unpacked" in routes["unpacked"], routes
+    assert "packed roles ['cores', 'dense', 'gates'] -> none" in routes["unpacked"], routes
     assert "-> 2 rank(s) at ZeRO 3" in routes["zero3"], routes
     assert routes["packed"] == "", routes  # same packing and stage: DeepSpeed's own shards

@@ -1,4 +1,4 @@
-"""``engine.packing``: a model's 1-D dense parameters trained as one flat parameter, keys and numbers unchanged."""
+"""``engine.packing``: a model's 1-D parameters trained as one flat parameter per role, keys and numbers unchanged."""
 
 from __future__ import annotations
 
@@ -10,8 +10,22 @@ from bench_cases import no_dropout
 from torch import nn
 
 from comera_dist.bench import six_encoder
-from comera_dist.compression.groups import param_roles
-from comera_dist.engine.packing import pack_state, pack_vectors, packed_of, unpack_saved, unpack_state
+from comera_dist.compression.accounting import compression_report
+from comera_dist.compression.config import LrConfig
+from comera_dist.compression.groups import param_groups, param_roles
+from comera_dist.compression.penalty import rank_penalty
+from comera_dist.compression.pruning import apply_plan, make_plan
+from comera_dist.compression.walk import tensorized_modules
+from comera_dist.engine.packing import (
+    NAMES,
+    attached,
+    pack_state,
+    pack_vectors,
+    packed_of,
+    packed_roles,
+    unpack_saved,
+    unpack_state,
+)
 
 
 def _model() -> nn.Module:
@@ -31,30 +45,70 @@ def _loss(model: nn.Module, seed: int) -> torch.Tensor:
     return model(**six_encoder.random_batch(model, 2, smoke=True, seed=seed))["loss"]
 
 
+def _objective(model: nn.Module, seed: int) -> torch.Tensor:
+    """The task loss plus the rank penalty computed outside the forward, as the session computes it."""
+    loss = _loss(model, seed)
+    with attached(model, ("gates",)):
+        return loss + 0.5 * rank_penalty(model)
+
+
+def _by_role(model: nn.Module) -> dict[str, list[str]]:
+    """The plain model's 1-D parameter names per role, in module order (what each pack must hold)."""
+    roles = param_roles(model)
+    out: dict[str, list[str]] = {"cores": [], "gates": [], "dense": []}
+    for n, p in model.named_parameters():
+        if p.dim() == 1:
+            out[roles.get(id(p), "dense")].append(n)
+    return out
+
+
 def test_packed_model_computes_and_trains_like_the_plain_one():
     plain = _model()
     packed_model = copy.deepcopy(plain)
-    packed = pack_vectors(packed_model)
-    roles = param_roles(plain)
-    vectors = [n for n, p in plain.named_parameters() if p.dim() == 1 and id(p) not in roles]
-    assert [p.names[0] for p in packed.pieces] == vectors and len(vectors) > 10  # biases and LayerNorms
-    assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - len(vectors) + 1
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01) for m in (plain, packed_model)]
+    packing = pack_vectors(packed_model)
+    want = _by_role(plain)
+    assert {p.role: [piece.names[0] for piece in p.pieces] for p in packing.packs} == want
+    assert len(want["cores"]) == len(list(tensorized_modules(plain))) and len(want["dense"]) > 10
+    assert packed_roles(packed_model) == ["cores", "dense", "gates"]
+    packed_1d = sum(len(v) for v in want.values())
+    assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - packed_1d + 3
+    # every role trains as one tensor in its own AdamW group, with the plain model's settings
+    groups = {g["name"]: g for g in param_groups(packed_model, LrConfig())}
+    assert [p.shape for p in groups["cores"]["params"]] == [packing.flat(packing.packs[0]).shape]
+    assert groups["gates"]["params"] == [packed_model.packed_gates] and groups["gates"]["weight_decay"] == 0.0
+    opts = [torch.optim.AdamW(param_groups(m, LrConfig(cores=1e-2, gates=1e-2, dense=1e-2)), weight_decay=0.01)
+            for m in (plain, packed_model)]
+    named = dict(plain.named_parameters())
     for seed in range(3):
-        losses = [_loss(model, seed) for model in (plain, packed_model)]
+        losses = [_objective(model, seed) for model in (plain, packed_model)]
         for loss in losses:
             loss.backward()
         torch.testing.assert_close(losses[1], losses[0])
-        # one gradient: the pieces' gradients end to end
-        want = torch.cat([dict(plain.named_parameters())[n].grad.reshape(-1) for n in vectors])
-        torch.testing.assert_close(packed.flat.grad, want)
+        for pack in packing.packs:  # one gradient per role: the pieces' gradients end to end
+            got = packing.flat(pack).grad
+            torch.testing.assert_close(got, torch.cat([named[n].grad.reshape(-1) for n in want[pack.role]]),
+                                       msg=pack.name)
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    state, want = packed_model.state_dict(), plain.state_dict()
-    assert set(state) == set(want)  # the per-module keys, no packed one
-    for k, v in want.items():
+    state, want_state = packed_model.state_dict(), plain.state_dict()
+    assert set(state) == set(want_state)  # the per-module keys, no packed one
+    for k, v in want_state.items():
         torch.testing.assert_close(state[k], v, msg=k)
+    assert compression_report(packed_model) == compression_report(plain)  # leftover counts the dense pack only
+
+
+def test_the_penalty_needs_the_gates_attached():
+    """Outside the forward the owners hold detached views: R computed there reaches no gate."""
+    model = _model()
+    packing = pack_vectors(model)
+    _loss(model, 0)
+    assert not rank_penalty(model).requires_grad  # detached views between forwards
+    with attached(model, ("gates",)):
+        rank_penalty(model).backward()
+    assert model.packed_gates.grad is not None and model.packed_gates.grad.abs().sum() > 0
+    assert not any(t.requires_grad for t in packing.views(packing.packs[1], detached=True))
+    assert not model.get_submodule(next(n for n, _ in tensorized_modules(model))).gate.requires_grad  # detached again
 
 
 def test_state_dicts_load_across_packed_and_plain():
@@ -77,8 +131,9 @@ def test_a_shared_vector_is_packed_once_and_keeps_every_key():
     norm = nn.LayerNorm(4)
     model = nn.Sequential(nn.Linear(4, 4), norm, nn.Linear(4, 4), norm)  # one LayerNorm used twice
     plain = copy.deepcopy(model)
-    packed = pack_vectors(model)
-    assert [p.names for p in packed.pieces] == [("0.bias",), ("1.weight", "3.weight"), ("1.bias", "3.bias"),
+    packing = pack_vectors(model)
+    assert [p.role for p in packing.packs] == ["dense"]
+    assert [p.names for p in packing.packs[0].pieces] == [("0.bias",), ("1.weight", "3.weight"), ("1.bias", "3.bias"),
                                                  ("2.bias",)]
     assert model.state_dict().keys() == plain.state_dict().keys()
     x = torch.randn(3, 4)
@@ -92,7 +147,8 @@ def test_a_deep_copy_installs_its_own_views():
     pack_vectors(model)
     twin = copy.deepcopy(model)
     with torch.no_grad():
-        packed_of(twin).flat.add_(1.0)  # only the copy changes
+        for pack in packed_of(twin).packs:
+            packed_of(twin).flat(pack).add_(1.0)  # only the copy changes
     torch.testing.assert_close(_loss(model, 0), _loss(copied, 0))
     assert float(_loss(twin, 0)) != float(_loss(model, 0))
 
@@ -103,14 +159,15 @@ def test_consolidated_state_round_trip():
     params = dict(model.named_parameters())
     params = {n: p.detach().clone() for n, p in params.items()}
     moments = {n: {"exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)} for n, p in params.items()}
-    flat, flat_m = params["packed_vectors"].clone(), moments["packed_vectors"]["exp_avg"].clone()
+    flats = {n: (params[n].clone(), moments[n]["exp_avg"].clone()) for n in NAMES.values()}
     unpack_state(model, params, moments)
-    assert "packed_vectors" not in params and params.keys() == moments.keys()
+    assert not set(NAMES.values()) & set(params) and params.keys() == moments.keys()
     assert params.keys() == set(model.state_dict()) - {k for k, _ in model.named_buffers()}
     pack_state(model, params, moments)
-    torch.testing.assert_close(params["packed_vectors"], flat)
-    torch.testing.assert_close(moments["packed_vectors"]["exp_avg"], flat_m)
-    params.pop("packed_vectors")
+    for name, (flat, flat_m) in flats.items():
+        torch.testing.assert_close(params[name], flat)
+        torch.testing.assert_close(moments[name]["exp_avg"], flat_m)
+    params.pop(NAMES["gates"])
     unpack_state(model, params, moments)  # nothing packed in it: left alone
     with pytest.raises(ValueError, match="lacks"):
         pack_state(model, params, moments)
@@ -135,11 +192,24 @@ def test_a_packed_runs_saved_flat_vector_loads_into_the_plain_model():
     pack_vectors(packed_model)
     saved = {n: p.detach().clone() for n, p in packed_model.named_parameters()}  # what the shards hold
     saved |= {n: b.clone() for n, b in packed_model.named_buffers()}
-    assert "packed_vectors" in saved
+    assert set(NAMES.values()) <= set(saved)
     unpack_saved(fresh, saved)
     assert fresh.load_state_dict(saved, strict=True)
     torch.testing.assert_close(_loss(fresh, 0), _loss(trained, 0))
     unpack_saved(fresh, saved)  # nothing packed left: a no-op
-    saved["packed_vectors"] = torch.zeros(7)
-    with pytest.raises(ValueError, match="holds 7 values"):
+    saved[NAMES["cores"]] = torch.zeros(7)
+    with pytest.raises(ValueError, match="'packed_cores' holds 7 values"):
         unpack_saved(fresh, saved)
+
+
+def test_a_pruned_state_into_a_packed_model_names_the_ranks():
+    """The load pre-hook leaves a pack whose pieces have other shapes to the layer's own check."""
+    pruned = _perturbed()
+    with torch.no_grad():
+        for _, layer in tensorized_modules(pruned):
+            layer.gate[::2] = 0.0  # half of every bond below tau
+    apply_plan(pruned, make_plan(pruned, min_rank=1))
+    packed_model = _model()
+    pack_vectors(packed_model)
+    with pytest.raises(ValueError, match="needs a model built with its ranks"):
+        packed_model.load_state_dict(pruned.state_dict())

@@ -132,7 +132,7 @@ class DeepSpeedSection:
     """ZeRO 0-2: train the model's 1-D parameters as one flat parameter per AdamW group (``engine.packing``):
     every layer's flat ``core``, every layer's ``gate``, and the dense vectors (the TT layers' biases, the
     LayerNorms). DeepSpeed's per-tensor work then runs once per role instead of once per tensor
-    (six-encoder MLM: 143 -> 4 parameter tensors). The same numbers train the same way, and state dicts
+    (six-encoder MLM: 143 -> 6 parameter tensors). The same numbers train the same way, and state dicts
     and exports keep the per-module keys. ZeRO-3 never packs (it gathers each module's own parameters
     around its forward). ``false``: every parameter its own tensor, as built."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

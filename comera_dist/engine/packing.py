@@ -3,11 +3,12 @@
 DeepSpeed's ZeRO 1-2 step does its bookkeeping per parameter tensor: copying each gradient into its
 partition, one norm per gradient, re-viewing each weight into the flat buffer, the bf16 overflow check
 (about 32 aten ops per tensor and step; most of them kernel launches on a GPU). A six-encoder MLM has
-143 parameter tensors, and 142 of them are 1-D: every tensorized layer's flat ``core`` and ``gate``
-(38 each) and 66 vectors of the "dense" role (the TT layers' biases, the LayerNorms, the MLM head's).
+143 parameter tensors, and 140 of them are 1-D: every tensorized layer's flat ``core`` and ``gate``
+(37 each) and 66 vectors of the "dense" role (the TT layers' biases, the LayerNorms, the MLM head's).
 Each role has its own AdamW group (learning rate, weight decay), and AdamW is element-wise within a
 group, so the same numbers train the same way as one flat parameter per role: ``packed_cores``,
-``packed_gates`` and ``packed_vectors``. DeepSpeed then sees 4 tensors (the position table stays 2-D).
+``packed_gates`` and ``packed_vectors``. DeepSpeed then sees 6 tensors (the position and token-type
+tables and the MLM head's transform stay 2-D).
 
 This is the flat-parameter technique of PyTorch FSDP (``use_orig_params=False``): the owners' own
 parameters are removed and, at the start of every forward of the model, each owner gets a plain-tensor

@@ -183,6 +183,9 @@ class TensorizedModule(nn.Module):
         (first dim) and bond ``k``'s part of ``gate``; ``core`` and ``gate`` become fresh
         ``nn.Parameter``s (optimizer state must be rebuilt by the caller, see
         ``compression.pruning.apply_plan``, which slices it with ``slice_flat``)."""
+        if "core" not in self._parameters or "gate" not in self._parameters:
+            raise ValueError(f"prune_: this {type(self).__name__}'s core and gate are views of a model's packed "
+                             "flat parameters (engine.packing); prune an unpacked model and pack it again")
         D = self.num_cores
         idx: dict[int, Tensor] = {}
         for k, ix in kept.items():

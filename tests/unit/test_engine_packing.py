@@ -173,6 +173,14 @@ def test_consolidated_state_round_trip():
         pack_state(model, params, moments)
 
 
+def test_a_packed_layer_refuses_to_prune_in_place():
+    model = _model()
+    pack_vectors(model)
+    _, layer = next(tensorized_modules(model))
+    with pytest.raises(ValueError, match="packed"):
+        layer.prune_({0: torch.tensor([0])})
+
+
 def test_refuses_partitioned_and_repacked_models():
     model = _model()
     next(model.parameters()).ds_id = 0  # what ZeRO-3 marks its partitioned parameters with

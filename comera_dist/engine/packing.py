@@ -148,6 +148,23 @@ def pack_vectors(model: nn.Module) -> Packing | None:
     return packing
 
 
+def holder(model: nn.Module, module: nn.Module, attr: str) -> tuple[nn.Parameter, slice]:
+    """The parameter holding ``module.<attr>`` and where in it, flattened: the module's own parameter
+    (all of it), or the model's packed flat parameter (the piece's span). For DeepSpeed's ``safe_*``
+    API (fp32 masters, moments, full gradients), which knows the parameters it trains, not views."""
+    own = module._parameters.get(attr)
+    if own is not None:
+        return own, slice(0, own.numel())
+    packing = packed_of(model)
+    for pack in packing.packs if packing is not None else ():
+        at = 0
+        for piece in pack.pieces:
+            if any(m is module and a == attr for m, a in piece.owners):
+                return packing.flat(pack), slice(at, at + piece.numel)
+            at += piece.numel
+    raise ValueError(f"{type(module).__name__}.{attr} is neither a parameter of the module nor packed in the model")
+
+
 @contextlib.contextmanager
 def attached(model: nn.Module, roles: tuple[str, ...] = ROLES) -> Iterator[None]:
     """Inside the block the owners of ``roles`` hold views in autograd (as during a forward), so code

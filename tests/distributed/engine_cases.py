@@ -70,6 +70,32 @@ def full_params(session) -> dict[str, torch.Tensor]:
     return params
 
 
+def master(session, layer: torch.nn.Module, attr: str = "gate") -> torch.Tensor:
+    """The fp32 master of ``layer.<attr>`` (collective under ZeRO), flat, packed or not (``packing.holder``)."""
+    from comera_dist.engine.hooks import full_fp32
+    from comera_dist.engine.packing import holder
+
+    param, where = holder(session.module, layer, attr)
+    return full_fp32(param).reshape(-1)[where]
+
+
+def kill_two_ranks(session, layer_name: str, bond: int) -> None:
+    """Two gate entries of ``bond`` in the fp32 master far below tau (collective): the next prune
+    slices them out. The module's working gate only follows the master at the next optimizer step,
+    whose (still unmasked) gradient moves these entries by at most ~lr; later steps give them none."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    from comera_dist.engine.hooks import full_fp32, full_shape
+    from comera_dist.engine.packing import holder
+
+    layer = dict(session.module.named_modules())[layer_name]
+    param, where = holder(session.module, layer, "gate")
+    value = full_fp32(param).reshape(-1)
+    at = where.start + layer.bond_offsets()[bond]  # bond's part of the layer's gate vector
+    value[at:at + 2] = -1.0
+    safe_set_full_fp32_param(param, value.reshape(full_shape(param)))
+
+
 KNOB_CASES = ((1, "bf16", 1), (2, "fp32", 2))
 """(ZeRO stage, precision, micro-batches per step) at which a ``deepspeed`` knob is run both ways."""
 

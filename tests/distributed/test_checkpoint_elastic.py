@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from engine_cases import MICRO, SEQ, factory, tiny_config
+from engine_cases import MICRO, SEQ, factory, kill_two_ranks, tiny_config
 
 STEPS, SAVE_AT, BLOCKS, GLOBAL = 6, 3, 60, 4
 LAYER, BOND = "blocks.0.attn.query", 1
@@ -35,19 +35,6 @@ def _dataset():
 def _block_ids(mb: dict) -> list[int]:
     ids = mb["input_ids"]  # (B, T)
     return [int(a - 5) + 50 * int(b - 5) for a, b in zip(ids[:, 0], ids[:, 1])]
-
-
-def _kill_two_ranks(session) -> None:
-    """Two gate entries far below tau: they die, and the prune at step 2 slices them out."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
-    from comera_dist.engine.hooks import full_fp32
-
-    layer = dict(session.module.named_modules())[LAYER]
-    gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
-    value = full_fp32(gate)
-    value[at:at + 2] = -1.0
-    safe_set_full_fp32_param(gate, value)
 
 
 def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None) -> dict:
@@ -77,7 +64,7 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
         out["ids"][step] = sorted(i for ids in everyone for i in ids)
         o = s.train_step(mbs)
         if step == 1:
-            _kill_two_ranks(s)
+            kill_two_ranks(s, LAYER, BOND)
         s.maybe_prune(step)
         out["loss"][step], out["lr"][step], out["stage"][step], out["lam"][step] = o.task_loss, o.lr, o.stage, o.lam
         if resume is None and step == SAVE_AT:

@@ -18,19 +18,17 @@ from pathlib import Path
 
 import torch
 from dist_helpers import run_ranks
-from engine_cases import factory, micro_batches, tiny_config
+from engine_cases import factory, kill_two_ranks, master, micro_batches, tiny_config
 
 LAYER, BOND = "blocks.0.attn.query", 1
 
 
 def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
-    from deepspeed.utils import safe_set_full_fp32_param
     from device_guard import DeviceGuard
 
     from comera_dist.compression.walk import tensorized_modules
     from comera_dist.engine.device import accelerator_device
     from comera_dist.engine.distributed import init_distributed
-    from comera_dist.engine.hooks import full_fp32
     from comera_dist.engine.session import TrainSession
     from comera_dist.engine.signals import StopRequest
     from comera_dist.engine.trainer import _peak_memory_bytes
@@ -43,11 +41,7 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
                       precision="bf16")
     with guard.installed(BertMLM):
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-        layer = dict(s.module.named_modules())[LAYER]
-        gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
-        value = full_fp32(gate)
-        value[at:at + 2] = -1.0  # two dead ranks, so the prune at step 2 really slices and rebuilds
-        safe_set_full_fp32_param(gate, value)
+        kill_two_ranks(s, LAYER, BOND)  # two dead ranks, so the prune at step 2 really slices and rebuilds
         losses = []
         for step in (1, 2, 3):
             out = s.train_step([guard.host(b) for b in micro_batches(step, rank, 2)])
@@ -62,14 +56,14 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
         disagree, dtypes = [], set()
         for name, layer in tensorized_modules(s.module):
             g = layer.gate
-            dtypes.add((g.dtype, full_fp32(g).dtype))
+            dtypes.add((g.dtype, master(s, layer).dtype))
             working = gate_alive(g.detach(), layer.tau)
-            master = gate_alive(full_fp32(g), layer.tau, s.penalty.working_dtype)
-            if not torch.equal(working, master):
+            alive = gate_alive(master(s, layer), layer.tau, s.penalty.working_dtype)
+            if not torch.equal(working, alive):
                 disagree.append(f"{name}.gate")
         sizes = (int(s._size_tensor()), s.size())  # the step's sync-free S vs the reporting S
-        size_from_masters = sum(int(gate_alive(full_fp32(ref.param), ref.tau, s.penalty.working_dtype).sum())
-                                for ref in s.penalty.gates)
+        size_from_masters = sum(int(gate_alive(master(s, layer), layer.tau, s.penalty.working_dtype).sum())
+                                for _, layer in tensorized_modules(s.module) if layer.bond_dims())
     return {"violations": guard.violations, "collectives": guard.collective_calls, "forwards": guard.forward_calls,
             "losses": losses, "val": val, "agreed": agreed, "peak": peak, "dims": dims,
             "pruned": len(s.plans), "sizes": sizes, "disagree": disagree, "dtypes": dtypes,

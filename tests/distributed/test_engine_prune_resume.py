@@ -17,25 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from engine_cases import assert_same_training, batch, factory, full_params, knob_runs, tiny_config
+from engine_cases import (
+    assert_same_training,
+    batch,
+    factory,
+    full_params,
+    kill_two_ranks,
+    knob_runs,
+    tiny_config,
+)
 
 from comera_dist.layers.base import split_flat
 
 LAYER, BOND = "blocks.0.attn.query", 1
-
-
-def _kill_two_ranks(session) -> None:
-    from deepspeed.utils import safe_set_full_fp32_param
-
-    from comera_dist.engine.hooks import full_fp32
-
-    layer = dict(session.module.named_modules())[LAYER]
-    gate, at = layer.gate, layer.bond_offsets()[BOND]  # bond BOND's part of the layer's gate vector
-    value = full_fp32(gate)
-    # Far below tau: the module weight only follows the master at the next optimizer step, whose
-    # (still unmasked) gradient moves these entries by at most ~lr; later steps give them no gradient.
-    value[at:at + 2] = -1.0
-    safe_set_full_fp32_param(gate, value)
 
 
 def _session(outdir: str, stage: int, *, late_stage_step: int = 3, dropout: float = 0.0, **kw):
@@ -55,7 +49,7 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
     out = {}
     for stage in (1, 3):
         s = _session(f"{outdir}/z{stage}", stage)
-        _kill_two_ranks(s)
+        kill_two_ranks(s, LAYER, BOND)
         s.train_step([batch(1, rank)])
         s.train_step([batch(2, rank)])
         probe = [batch(99, rank)]
@@ -233,7 +227,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
     cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6, prune_every=4,
                       scheduler={"kind": "warmup_decay", "warmup_steps": 3})
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-    _kill_two_ranks(s)
+    kill_two_ranks(s, LAYER, BOND)
     steps = [s.train_step([batch(k, rank)]) for k in range(1, 5)]
     master_before = full_params(s)
     lrs_before = [g["lr"] for g in s.engine.optimizer.param_groups]
@@ -338,7 +332,7 @@ def _train(s, rank: int, steps: range) -> list[tuple]:
         o = s.train_step([batch(step, rank)])
         rows.append((o.task_loss, o.loss, o.lam, o.stage, o.skipped_nonfinite))
         if step == 1:
-            _kill_two_ranks(s)
+            kill_two_ranks(s, LAYER, BOND)
         s.maybe_prune(step)
     return rows
 

@@ -182,9 +182,22 @@ class TrainSession:
         alone are non-finite (see ``deepspeed.bf16_overflow_check``)."""
         return self.cfg.deepspeed.zero_stage >= 1 and not self.zero_skips_nonfinite
 
-    def _forward_loss(self, batch: Batch) -> Tensor:
+    def _forward(self, batch: Batch) -> tuple[Tensor, Tensor | None]:
+        """The task loss and, where the model's forward gives it (``rank_penalty``: R from the masks the
+        forward made anyway, models/), R in the same graph; None otherwise."""
         out = self.engine(**batch)
-        return out["loss"]
+        return out["loss"], out.get("rank_penalty")
+
+    def _forward_loss(self, batch: Batch) -> Tensor:
+        return self._forward(batch)[0]
+
+    def _penalty(self, from_forward: Tensor | None) -> Tensor:
+        """R in the graph of the module's gates (ZeRO 0-2): the forward's own, else ``rank_penalty`` with
+        packed gates attached to autograd (``engine.packing``: between forwards they are detached views)."""
+        if from_forward is not None:
+            return from_forward
+        with attached(self.module, ("gates",)):
+            return rank_penalty(self.module)
 
     def _all_finite(self, micro_batches: Sequence[Batch]) -> bool:
         """Forward-only probe of every micro-batch, one all-reduce.
@@ -238,7 +251,7 @@ class TrainSession:
         losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
         poisoned = False
         for i, batch in enumerate(micro_batches):
-            task = self._forward_loss(batch)
+            task, forward_penalty = self._forward(batch)
             # The step's one host read before backward: the skip and the controller's lambda need it.
             global_loss, global_size = self._global_mean(task, size)
             if not math.isfinite(global_loss) and i == 0:
@@ -263,8 +276,7 @@ class TrainSession:
             proxy = None
             if self.penalty.active:
                 if self.penalty_in_loss:
-                    with attached(self.module, ("gates",)):  # packed gates: views in autograd (engine.packing)
-                        penalty = rank_penalty(self.module)  # 0-d, in the graph of the module's whole gates
+                    penalty = self._penalty(forward_penalty)  # 0-d, in the graph of the module's whole gates
                 else:
                     penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
                 objective = self.controller.objective(task, penalty, global_loss=global_loss,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_dist.layers.group import shared_factors
+from comera_dist.layers.group import shared_factors_and_penalty
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_output_head
@@ -46,13 +46,16 @@ class BertMLM(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None,
                 token_type_ids: Tensor | None = None, mlm_positions: Tensor | None = None) -> dict[str, Tensor | None]:
-        """input_ids, attention_mask, labels: (B, T). Returns loss (scalar or None), logits (B, T, V).
+        """input_ids, attention_mask, labels: (B, T). Returns loss (scalar or None), logits (B, T, V) and
+        rank_penalty (R of ``compression.penalty.rank_penalty`` from the forward's own masks; None for a
+        dense model and under ZeRO-3, see ``layers.group.shared_factors_and_penalty``).
 
         ``mlm_positions`` (B, P) (the MLM collator's): the head and the loss run at those positions
         only, and logits are (B, P, V), aligned with ``labels.gather(1, mlm_positions)``.
         """
         keep = check_inputs(self.config, input_ids, attention_mask)
-        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
+        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         for block in self.blocks:
             x = block(x, keep, factors)  # (B, T, C)
@@ -66,4 +69,4 @@ class BertMLM(nn.Module):
         loss = None
         if labels is not None:
             loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        return {"loss": loss, "logits": logits}
+        return {"loss": loss, "logits": logits, "rank_penalty": penalty}

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comera_dist.layers.group import Factors, shared_factors
+from comera_dist.layers.group import Factors, shared_factors_and_penalty
 from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
@@ -52,9 +52,11 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None) -> dict[str, Tensor | None]:
-        """input_ids, attention_mask, labels: (B, T). Returns loss (shifted next-token CE), logits (B, T, V)."""
+        """input_ids, attention_mask, labels: (B, T). Returns loss (shifted next-token CE), logits (B, T, V) and
+        rank_penalty (R from the forward's own masks; None for a dense model and under ZeRO-3)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
-        factors = shared_factors(self)  # every TT linear's L/R, same-shape layers contracted together
+        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
         x = self.drop(self.word(input_ids) + self.position(pos))  # (B, T, C)
         for block in self.blocks:
@@ -65,4 +67,4 @@ class GPT(nn.Module):
             # position t predicts label t+1; the last position predicts nothing (no copy of the logits)
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
             loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return {"loss": loss, "logits": logits}
+        return {"loss": loss, "logits": logits, "rank_penalty": penalty}

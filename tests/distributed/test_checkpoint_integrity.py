@@ -43,6 +43,7 @@ def _write(rank: int, world_size: int, outdir: str) -> dict:
 
     from comera_dist.engine.checkpoint import CheckpointError
     from comera_dist.engine.distributed import init_distributed
+    from comera_dist.engine.packing import NAMES
 
     init_distributed(60)
     s = _session(outdir)
@@ -57,7 +58,8 @@ def _write(rank: int, world_size: int, outdir: str) -> dict:
         out["corrupt_save"] = None
     except CheckpointError as e:
         out["corrupt_save"] = str(e)
-    name, p = next((n, p) for n, p in s.module.named_parameters() if n.endswith(".gate"))
+    gates = ("gate", NAMES["gates"])  # a layer's gate vector, or all of them packed (engine.packing)
+    name, p = next((n, p) for n, p in s.module.named_parameters() if n.split(".")[-1] in gates)
     safe_set_full_fp32_param(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, float("nan")))
     out["nonfinite_save"] = s.save(10)
     out["poisoned"] = name

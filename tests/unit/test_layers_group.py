@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from comera_dist.compression.config import TensorizeConfig
+from comera_dist.compression.penalty import rank_penalty
+from comera_dist.compression.walk import tensorized_modules
 from comera_dist.layers import TTLinear
 from comera_dist.layers import group as group_mod
 from comera_dist.layers.group import project, shared_factors
@@ -117,7 +119,8 @@ def test_six_encoder_with_and_without_shared_factors(monkeypatch):
 @pytest.mark.parametrize("arch", ["bert_mlm", "gpt"])
 def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypatch, arch):
     """BERT-MLM and GPT contract same-shape layers together (the trainer's models): same loss and
-    gradients as every layer on its own, and the grouped path really ran."""
+    gradients as every layer on its own, and the grouped path really ran; the R their forward returns
+    from the shared masks is ``rank_penalty``'s, value and gradients."""
     cfg = ModelConfig(arch=arch, vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                       intermediate_size=32, max_positions=8, dropout=0.0)
     torch.manual_seed(0)
@@ -129,17 +132,24 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
         factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
     real = group_mod.shared_factors
     results = []
+    with torch.no_grad():  # gates of different values, some below tau, so R's surviving set matters
+        for _, layer in tensorized_modules(model):
+            layer.gate.uniform_(0.5, 1.5)
+            layer.gate[::3] = 0.005
     for share in (True, False):
         if not share:
-            monkeypatch.setattr(f"comera_dist.models.{arch}.shared_factors", lambda m: {})
+            monkeypatch.setattr(f"comera_dist.models.{arch}.shared_factors_and_penalty", lambda m: ({}, None))
         model.zero_grad()
-        loss = model(ids, labels=ids)["loss"]
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        out = model(ids, labels=ids)
+        penalty = out["rank_penalty"] if share else rank_penalty(model)  # the session's two sources of R
+        (out["loss"] + 3.0 * penalty).backward()
+        results.append((out["loss"].detach(), penalty.detach(), [p.grad.clone() for p in model.parameters()]))
     n = 6 * cfg.num_layers  # Q, K, V, O, FFN in, FFN out per block
     assert len(real(model)) == n and used[:n] == [True] * n and used[n:] == [False] * n
     torch.testing.assert_close(results[0][0], results[1][0])
-    for a, b in zip(results[0][1], results[1][1], strict=True):
+    torch.testing.assert_close(results[0][1], results[1][1])
+    assert 0.5 < float(results[0][1]) < 1.5 and float(results[0][1]) != 1.0
+    for a, b in zip(results[0][2], results[1][2], strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -165,7 +175,6 @@ def test_batched_groups_bigger_than_one(G):
 
 
 def test_penalty_from_the_shared_masks_equals_rank_penalty():
-    from comera_dist.compression.penalty import rank_penalty
     from comera_dist.layers import TTEmbedding
     from comera_dist.layers.group import shared_factors_and_penalty
 

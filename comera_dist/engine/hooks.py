@@ -48,7 +48,10 @@ from comera_dist.engine.device import accelerator_device
 
 @dataclass(frozen=True, slots=True)
 class GateRef:
-    """The gate vector of one tensorized layer (every interior bond's gates end to end)."""
+    """The gate vector of one tensorized layer (every interior bond's gates end to end). ``param`` is the
+    layer's gate parameter; in a model packed at ZeRO 0-2 (``engine.packing``) it is a view of the packed
+    flat parameter, which only the dtype and the ZeRO-3 no-op ``gathered`` see (ZeRO-3 never packs, and
+    only ZeRO-3 hands ``param`` to DeepSpeed's ``safe_*`` API)."""
 
     layer: str
     param: nn.Parameter

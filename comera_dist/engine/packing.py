@@ -87,8 +87,7 @@ class Packing:
         """Each piece's view of ``pack``'s flat parameter, in order (one ``split``: its backward is one
         concatenation); ``detached``: views outside autograd (what the attributes hold between forwards)."""
         flat = self.flat(pack).detach() if detached else self.flat(pack)
-        chunks = flat.split([p.numel for p in pack.pieces])
-        return [c.view(p.shape) for c, p in zip(chunks, pack.pieces, strict=True)]
+        return list(flat.split([p.numel for p in pack.pieces]))  # pieces are 1-D: no per-piece view op
 
     def install(self, *, detached: bool = False, roles: tuple[str, ...] = ROLES) -> None:
         """Give every owner of ``roles`` its view under its old attribute name (a plain tensor, not a parameter)."""

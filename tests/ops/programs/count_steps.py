@@ -31,8 +31,8 @@ def main() -> int:
     args = ap.parse_args()
     opts = dict(kv.split("=", 1) for kv in args.set)
     steps, out, step_s = int(opts.get("steps", 20)), Path(opts["out"]), float(opts.get("step_s", 0.2))
-    for s in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(s, lambda n, f: stop.update(sig=stop["sig"] or signal.Signals(n).name))
+    previous = {s: signal.signal(s, lambda n, f: stop.update(sig=stop["sig"] or signal.Signals(n).name))
+                for s in (signal.SIGUSR1, signal.SIGTERM)}
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = out / "checkpoint.json"
@@ -60,6 +60,11 @@ def main() -> int:
         print(f"saved checkpoint at step {step} ({'stop ' + stop['sig'] if stop['sig'] else 'done'})", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # As the trainer's StopRequest.close: the inherited handlers back (node_launch.sh starts the workers with
+    # USR1 ignored). Python resets its own handlers to the default at exit, so a second USR1 arriving then (Slurm
+    # signals every process of the step, and node_launch.sh relays it too) would kill the exiting rank.
+    for s, handler in previous.items():
+        signal.signal(s, handler)
     return 0
 
 

@@ -26,6 +26,11 @@ Two policies are counted per contender:
   id range checks and the embedding's ``torch.unique`` deduplication (free of device syncs on
   a CPU, counted anyway), with the process's own thread count (the one-thread wrapper too).
 
+The ``static`` policy is also counted in bf16 (suffix ``_bf16``, dense and CoMERA): the step under
+``torch.autocast`` over fp32 weights, as ``bench six-encoder --dtypes bf16`` runs it. Inside a CUDA
+graph each kernel op costs about the same whatever its size, so at small batches the bf16 kernel
+counts are the gap between the two contenders.
+
 A third contender, ``comera_pruned`` (``static`` only), is CoMERA after a physical prune that left
 every layer its own ranks (``ragged_prune``), as training leaves them: its count shows whether the
 batched contraction of same-shape layers survives pruning.
@@ -106,9 +111,12 @@ def ragged_prune(c: Contender, seed: int = 0) -> None:
     apply_plan(c.model, make_plan(c.model), c.optimizer)
 
 
-def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str, Any]:
-    """Counts for one contender under ``policy`` (``static`` or ``cpu_eager``)."""
+def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
+            autocast: torch.dtype | None = None) -> dict[str, Any]:
+    """Counts for one contender under ``policy`` (``static`` or ``cpu_eager``), the forward under
+    ``autocast`` to that dtype when given."""
     c = make_contender("comera" if name == "comera_pruned" else name, smoke=smoke)
+    c.autocast = autocast
     batch = random_batch(c.model, batch_size, smoke=smoke)
     if name == "comera_pruned":
         c.train_step(batch)  # AdamW state exists before the prune, as in training
@@ -123,7 +131,7 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str) -> dict[str
     finally:
         torch.set_num_threads(threads)
     total = sum(counter.ops.values())
-    return {"contender": name, "policy": policy, "ops": total, "kernel_ops": total - counter.views,
+    return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32", "ops": total, "kernel_ops": total - counter.views,
             "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
             "top_ops": dict(counter.ops.most_common(12))}
 
@@ -142,19 +150,21 @@ def main(argv: list[str]) -> int:
     rows = [measure(n, smoke=args.smoke, batch_size=batch, policy=pol)
             for pol in ("static", "cpu_eager") for n in ("dense", "comera")]
     rows.append(measure("comera_pruned", smoke=args.smoke, batch_size=batch, policy="static"))
-    by = {(r["contender"], r["policy"]): r for r in rows}
+    rows += [measure(n, smoke=args.smoke, batch_size=batch, policy="static", autocast=torch.bfloat16)
+             for n in ("dense", "comera")]
+    by = {(r["contender"], r["policy"], r["precision"]): r for r in rows}
     metrics: dict[str, float] = {}
-    for pol, sfx in (("static", ""), ("cpu_eager", "_cpu_eager")):
-        d, c = by["dense", pol], by["comera", pol]
+    for pol, prec, sfx in (("static", "fp32", ""), ("cpu_eager", "fp32", "_cpu_eager"), ("static", "bf16", "_bf16")):
+        d, c = by["dense", pol, prec], by["comera", pol, prec]
         metrics |= {f"ops_per_step_comera{sfx}": c["ops"], f"syncs_per_step_comera{sfx}": c["syncs"],
                     f"ops_per_step_dense{sfx}": d["ops"], f"syncs_per_step_dense{sfx}": d["syncs"],
                     f"ops_ratio_comera_over_dense{sfx}": c["ops"] / d["ops"],
                     f"kernel_ops_per_step_comera{sfx}": c["kernel_ops"], f"kernel_ops_per_step_dense{sfx}": d["kernel_ops"],
                     f"kernel_ops_ratio_comera_over_dense{sfx}": c["kernel_ops"] / d["kernel_ops"]}
     metrics["syncs_excess_comera_over_dense"] = metrics["syncs_per_step_comera"] - metrics["syncs_per_step_dense"]
-    pruned = by["comera_pruned", "static"]
+    pruned = by["comera_pruned", "static", "fp32"]
     metrics |= {"ops_per_step_comera_pruned": pruned["ops"], "syncs_per_step_comera_pruned": pruned["syncs"],
-                "ops_ratio_comera_pruned_over_dense": pruned["ops"] / by["dense", "static"]["ops"]}
+                "ops_ratio_comera_pruned_over_dense": pruned["ops"] / by["dense", "static", "fp32"]["ops"]}
     met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
            "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}
     config = {"smoke": args.smoke, "batch_size": batch, "warmup_steps": 2,
@@ -164,7 +174,7 @@ def main(argv: list[str]) -> int:
                                               "aten.index/index_put with a bool mask"],
               "target": {"ops_ratio_comera_over_dense": 2.0, "syncs_per_step_comera": "<= syncs_per_step_dense"},
               "targets_met": met,
-              "top_ops": {f"{r['contender']}/{r['policy']}": r["top_ops"] for r in rows},
+              "top_ops": {f"{r['contender']}/{r['policy']}/{r['precision']}": r["top_ops"] for r in rows},
               "bench_command": _env_prefix() + "python -m comera_dist.bench ops " + shlex.join(argv)}
     table = [{k: v for k, v in r.items() if k not in ("top_ops", "sync_ops")} |
              {"sync_ops": ", ".join(f"{k} x{v}" for k, v in r["sync_ops"].items()) or "-"} for r in rows]

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from comera_dist.tensor.accounting import from_right
 from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
-from comera_dist.tensor.tt import build_precision, chain, scale_bonds
+from comera_dist.tensor.tt import build_precision, chain, matmul_operand_dtype, scale_bonds
 
 
 def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -116,10 +116,11 @@ def contract_halves_batched(cores: list[Tensor], masks: list[Tensor], d: int) ->
 
     cores: ``D`` stacked cores ``(G, r_{k-1}, n_k, r_k)``; masks: ``D - 1`` stacked masked gates
     ``(G, r_k)``; ``d`` input-side cores. Returns ``L (G, N_in, r_d)`` (middle mask folded in,
-    as ``contract_left``) and ``R (G, r_d, N_out)`` (as ``contract_right``).
+    as ``contract_left``) and ``R (G, r_d, N_out)`` (as ``contract_right``), in the dtype the per-token
+    matmuls take them in (``tt.matmul_operand_dtype``: under autocast its dtype, cast once for all G layers).
     """
     G = cores[0].shape[0]
-    out_dtype = cores[0].dtype
+    out_dtype = matmul_operand_dtype(cores[0])
     work, no_autocast = build_precision(cores[0])  # fp32 build under bf16 (see tt.build_precision)
     with no_autocast:
         cores, masks = [c.to(work) for c in cores], [m.to(work) for m in masks]

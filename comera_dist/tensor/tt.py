@@ -92,6 +92,18 @@ def build_precision(like: Tensor) -> tuple[torch.dtype, torch.autocast]:
     return work, torch.autocast(device_type, enabled=False)
 
 
+def matmul_operand_dtype(like: Tensor) -> torch.dtype:
+    """The dtype to hand a build's result (``like``: a core) to per-token matmuls in: autocast's dtype
+    when autocast is on for ``like``'s device and would cast it (every float but fp64), since each
+    matmul would round it to that dtype anyway; else ``like``'s own. For results that only matmuls
+    consume: a stack of factors cast once costs one cast (and one for its gradient) instead of one per
+    layer, and each layer's slice holds the very values the matmul's own cast would have made."""
+    device_type = like.device.type
+    if device_type in ("cpu", "cuda") and like.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return like.dtype
+
+
 def scale_bonds(cores: list[Tensor], masks: list[Tensor] | None) -> list[Tensor]:
     """``cores[k] * masks[k]`` along the last (right-bond) dim, for every mask given."""
     if masks is None:

@@ -33,13 +33,19 @@ def test_ops_smoke_static_step_has_no_sync(tmp_path):
     # the GPU-path proxy: no host read and no data-dependent shape in the CoMERA step
     assert m["syncs_per_step_comera"] == 0 and m["syncs_per_step_comera"] <= m["syncs_per_step_dense"]
     assert m["ops_ratio_comera_over_dense"] == m["ops_per_step_comera"] / m["ops_per_step_dense"]
-    by = {(row["contender"], row["policy"]): row for row in r["rows"]}
+    by = {(row["contender"], row["policy"], row["precision"]): row for row in r["rows"]}
     # CPU eager keeps its free host work: the id range checks and the torch.unique dedup
-    assert "aten._unique2" in by["comera", "cpu_eager"]["sync_ops"]
-    assert by["comera", "static"]["kernel_ops"] < by["comera", "static"]["ops"]
+    assert "aten._unique2" in by["comera", "cpu_eager", "fp32"]["sync_ops"]
+    assert by["comera", "static", "fp32"]["kernel_ops"] < by["comera", "static", "fp32"]["ops"]
     assert m["syncs_excess_comera_over_dense"] <= 0
     # after a prune that gives every layer its own ranks: still no sync (the padded gather is static)
-    assert by["comera_pruned", "static"]["syncs"] == m["syncs_per_step_comera_pruned"] == 0
+    assert by["comera_pruned", "static", "fp32"]["syncs"] == m["syncs_per_step_comera_pruned"] == 0
+    # bf16 (autocast) rows: autocast's casts are kernels the fp32 step does not run, and no sync either
+    for c in ("dense", "comera"):
+        bf16, fp32 = by[c, "static", "bf16"], by[c, "static", "fp32"]
+        assert bf16["kernel_ops"] > fp32["kernel_ops"] and bf16["syncs"] == 0, (c, bf16, fp32)
+        assert "aten._to_copy" in r["config"]["top_ops"][f"{c}/static/bf16"]
+        assert m[f"kernel_ops_per_step_{c}_bf16"] == bf16["kernel_ops"]
     assert m["ops_ratio_comera_pruned_over_dense"] == m["ops_per_step_comera_pruned"] / m["ops_per_step_dense"]
 
 

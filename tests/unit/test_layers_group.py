@@ -192,3 +192,36 @@ def test_penalty_from_the_shared_masks_equals_rank_penalty():
         if a is not None and b is not None:
             torch.testing.assert_close(a, b)
     assert shared_factors_and_penalty(torch.nn.Linear(2, 2))[1] is None
+
+
+def test_grouped_factors_under_autocast_are_cast_once_per_group(monkeypatch):
+    """Under autocast the grouped L/R come out in autocast's dtype, cast once per stack: the same loss
+    and gradients, bit for bit, as leaving each layer's matmul to cast its own slice, in fewer casts."""
+    from comera_dist.bench.ops import OpCounter
+    from comera_dist.tensor import tt
+
+    cfg = ModelConfig(arch="bert_mlm", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                      intermediate_size=32, max_positions=8, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3))
+    ids = torch.randint(0, 50, (2, 8))
+    results = []
+    for once in (True, False):
+        if not once:  # each layer's matmul casts its own slice (autocast's own rule)
+            monkeypatch.setattr(contract, "matmul_operand_dtype", lambda like: like.dtype)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            factors = shared_factors(model)
+        with OpCounter() as ops:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids)["loss"]
+            loss.backward()
+        assert {f.dtype for lr in factors.values() for f in lr} == {torch.bfloat16 if once else torch.float32}
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], ops.ops["aten._to_copy"]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+    # the 12 grouped layers (2 blocks x Q, K, V, O, FFN in, FFN out) in 3 groups: 2 x 12 casts in the
+    # forward and as many in the backward become 2 x 3 each
+    assert results[1][2] - results[0][2] == 2 * 2 * (12 - 3), (results[0][2], results[1][2])
+    assert tt.matmul_operand_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64

@@ -15,11 +15,12 @@ layers with a forced non-``lr`` order, and callers that pass none).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from comera_dist.kernels import dispatch
 from comera_dist.layers.base import TensorizedModule, gate_alive, gate_sums
 from comera_dist.layers.linear import TTLinear
 from comera_dist.layers.ragged import padded_cores, padded_segments
@@ -130,6 +131,19 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
     Ls = [x if r == widths[d - 1] else x[:, :r] for x, r in zip(Ls, mid)]
     Rs = [x if r == widths[d - 1] else x[:r] for x, r in zip(Rs, mid)]
     return (*Ls, *Rs, total, count)
+
+
+def project_shared_input(layers: Sequence[nn.Module], x: Tensor, factors: Factors | None) -> list[Tensor]:
+    """``[project(layer, x, factors) for layer in layers]`` for layers that read the same ``x``
+    (attention's Q, K, V). When every one is a TT layer with its shared factors, the input side of all
+    of them is one GEMM (``kernels.dispatch.tt_linear_shared``)."""
+    lrs = [None if factors is None else factors.get(id(layer)) for layer in layers]
+    if any(lr is None for lr in lrs):
+        return [project(layer, x, factors) for layer in layers]
+    for layer in layers:
+        if x.shape[-1] != layer.in_features:
+            raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={layer.in_features}")
+    return dispatch.tt_linear_shared(x, lrs, [layer.bias for layer in layers])
 
 
 def project(layer: nn.Module, x: Tensor, factors: Factors | None, *, gelu_input: bool = False) -> Tensor:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.kernels.dispatch import host_work_ok
-from comera_dist.layers.group import Factors, project
+from comera_dist.layers.group import Factors, project, project_shared_input
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
 
@@ -34,9 +34,9 @@ class SelfAttention(nn.Module):
         factors (``layers.group.shared_factors``) or None. Returns (B, T, C)."""
         B, T, C = x.shape
         h = self.num_heads
-        q = project(self.query, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
-        k = project(self.key, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
-        v = project(self.value, x, factors).view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h)
+        # Q, K, V read the same x: with shared TT factors their input side is one GEMM
+        q, k, v = (t.view(B, T, h, C // h).transpose(1, 2)  # (B, h, T, C/h) each
+                   for t in project_shared_input((self.query, self.key, self.value), x, factors))
         mask = None
         if keep is not None:
             mask = keep[:, None, None, :]  # (B, 1, 1, T) keys a query may see

@@ -25,6 +25,17 @@ def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) ->
     return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out); bias fused into the GEMM
 
 
+def tt_linear_lr_shared(x: Tensor, Ls: list[Tensor], Rs: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """``[tt_linear_lr(x, L_i, R_i, b_i) for each i]`` for layers reading the same ``x`` (attention's Q,
+    K and V), the input side as one GEMM: ``h = x [L_1 | ... | L_n]`` (T, sum r_i), then ``h_i R_i + b_i``
+    each. The backward then has one GEMM for x's gradient and one for the L's, where separate layers
+    have one of each per layer and the sum of the x gradients. x: (T, N_in); L_i: (N_in, r_i); R_i:
+    (r_i, N_out_i). Returns the (T, N_out_i)."""
+    h = x @ torch.cat(Ls, dim=1)  # (T, sum r_i)
+    parts = h.split([L.shape[1] for L in Ls], dim=1)  # (T, r_i) views, rows strided by sum r_i
+    return [hi @ R if b is None else torch.addmm(b, hi, R) for hi, R, b in zip(parts, Rs, biases, strict=True)]
+
+
 def tt_linear_lr_gelu(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:
     """``tt_linear_lr(gelu(x), L, R, bias)`` with GELU fused into ``x L`` (``tensor.fused``): autograd
     keeps ``x``, not ``gelu(x)`` too. Shapes as ``tt_linear_lr``."""

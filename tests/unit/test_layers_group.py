@@ -127,9 +127,11 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
     model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
     ids = torch.randint(0, 50, (2, 8))
     used = []  # layers applied with their shared factors
-    real_project = group_mod.project
+    real_project, real_shared = group_mod.project, group_mod.project_shared_input
     monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors, **kw: used.append(
         factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
+    monkeypatch.setattr("comera_dist.models.blocks.project_shared_input", lambda layers, x, factors: used.extend(
+        factors is not None and id(layer) in factors for layer in layers) or real_shared(layers, x, factors))
     real = group_mod.shared_factors
     results = []
     with torch.no_grad():  # gates of different values, some below tau, so R's surviving set matters
@@ -221,7 +223,49 @@ def test_grouped_factors_under_autocast_are_cast_once_per_group(monkeypatch):
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1], strict=True):
         assert torch.equal(a, b)
-    # the 12 grouped layers (2 blocks x Q, K, V, O, FFN in, FFN out) in 3 groups: 2 x 12 casts in the
-    # forward and as many in the backward become 2 x 3 each
-    assert results[1][2] - results[0][2] == 2 * 2 * (12 - 3), (results[0][2], results[1][2])
+    # per block, the matmuls' own casts: the shared input side of Q, K, V 1, their R's 3, and 2 each for
+    # out, FFN in and FFN out, so 2 x 10 in the forward and as many in the backward, become 2 per group
+    # (3 groups) each way
+    assert results[1][2] - results[0][2] == 2 * (2 * 10 - 2 * 3), (results[0][2], results[1][2])
     assert tt.matmul_operand_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+
+
+def test_layers_reading_one_input_share_its_gemm():
+    """``project_shared_input`` (attention's Q, K, V) equals each layer on its own, forward and backward,
+    at different middle ranks (a ragged prune) and with and without a bias, in fewer GEMMs."""
+    from comera_dist.bench.ops import OpCounter
+    from comera_dist.compression.pruning import apply_plan, make_plan
+    from comera_dist.layers.group import project_shared_input
+
+    g = torch.Generator().manual_seed(5)
+    layers = torch.nn.ModuleList(TTLinear(12, 20, in_modes=[3, 4], out_modes=[4, 5], max_rank=3, generator=g,
+                                          bias=i != 1) for i in range(3)).double()
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.gate.uniform_(0.5, 1.5, generator=g)
+            at = layer.bond_offsets()[layer.d - 1]
+            layer.gate[at:at + i] = 0.0  # the middle bond keeps 3, 2, 1 ranks
+            if layer.bias is not None:
+                layer.bias.normal_(generator=g)
+    apply_plan(layers, make_plan(layers))
+    assert [layer.bond_dims()[layer.d - 1] for layer in layers] == [3, 2, 1]  # three different middle ranks
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    results = []
+    for shared in (True, False):
+        factors = shared_factors(layers)
+        with OpCounter() as ops:
+            ys = project_shared_input(layers, x, factors) if shared else [project(m, x, factors) for m in layers]
+            sum((y * torch.randn(y.shape, generator=torch.Generator().manual_seed(i), dtype=y.dtype)).sum()
+                for i, y in enumerate(ys)).backward()
+        results.append(([y.detach() for y in ys], x.grad.clone(), [p.grad.clone() for p in layers.parameters()],
+                        ops.ops["aten.mm"] + ops.ops["aten.addmm"]))
+        x.grad, _ = None, layers.zero_grad()
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(results[0][1], results[1][1])
+    for a, b in zip(results[0][2], results[1][2], strict=True):
+        torch.testing.assert_close(a, b)
+    # forward 3 -> 1 input-side GEMM; backward: x's gradient and the L's in one GEMM each instead of 3 each
+    assert results[1][3] - results[0][3] == 2 + 2 * 2, (results[0][3], results[1][3])
+    with pytest.raises(ValueError, match="in_features=12"):
+        project_shared_input(layers, torch.randn(2, 5, dtype=torch.float64), shared_factors(layers))

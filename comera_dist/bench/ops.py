@@ -131,7 +131,8 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
     finally:
         torch.set_num_threads(threads)
     total = sum(counter.ops.values())
-    return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32", "ops": total, "kernel_ops": total - counter.views,
+    return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32",
+            "ops": total, "kernel_ops": total - counter.views,
             "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
             "top_ops": dict(counter.ops.most_common(12))}
 
@@ -154,7 +155,8 @@ def main(argv: list[str]) -> int:
              for n in ("dense", "comera")]
     by = {(r["contender"], r["policy"], r["precision"]): r for r in rows}
     metrics: dict[str, float] = {}
-    for pol, prec, sfx in (("static", "fp32", ""), ("cpu_eager", "fp32", "_cpu_eager"), ("static", "bf16", "_bf16")):
+    for pol, prec, sfx in (("static", "fp32", ""), ("cpu_eager", "fp32", "_cpu_eager"),
+                           ("static", "bf16", "_bf16")):
         d, c = by["dense", pol, prec], by["comera", pol, prec]
         metrics |= {f"ops_per_step_comera{sfx}": c["ops"], f"syncs_per_step_comera{sfx}": c["syncs"],
                     f"ops_per_step_dense{sfx}": d["ops"], f"syncs_per_step_dense{sfx}": d["syncs"],

@@ -56,7 +56,8 @@ def construct_model(factory: ModelFactory, section: DeepSpeedSection, *, world_s
 
 
 def packs(section: DeepSpeedSection) -> bool:
-    """Whether engines of ``section`` train the 1-D parameters packed per role (``deepspeed.pack_vectors``, ZeRO 0-2)."""
+    """Whether engines of ``section`` train the 1-D parameters packed per role (``deepspeed.pack_vectors``,
+    ZeRO 0-2)."""
     return section.pack_vectors and section.zero_stage != 3
 
 

@@ -34,7 +34,7 @@ model (``comera evaluate`` and ``export`` read checkpoints that way).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,6 @@ NAMES = {"cores": "packed_cores", "gates": "packed_gates", "dense": "packed_vect
 """Each role's flat parameter: a parameter of the model itself (no submodule, so nothing iterating the
 model's children meets it). ``packed_vectors`` is the dense role's name since the first packing (dense
 vectors only), so its shards and ``zero_to_fp32`` entries keep meaning the same."""
-NAME = NAMES["dense"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +89,8 @@ class Packing:
         return list(flat.split([p.numel for p in pack.pieces]))  # pieces are 1-D: no per-piece view op
 
     def install(self, *, detached: bool = False, roles: tuple[str, ...] = ROLES) -> None:
-        """Give every owner of ``roles`` its view under its old attribute name (a plain tensor, not a parameter)."""
+        """Give every owner of ``roles`` its view under its old attribute name (a plain tensor, not a
+        parameter)."""
         for pack in self.packs:
             if pack.role in roles:
                 for piece, view in zip(pack.pieces, self.views(pack, detached=detached), strict=True):
@@ -98,7 +98,8 @@ class Packing:
                         setattr(module, attr, view)
 
     def roles(self) -> dict[int, str]:
-        """``id(flat parameter) -> role`` (what ``compression.groups.param_roles`` reports for a packed model)."""
+        """``id(flat parameter) -> role`` (what ``compression.groups.param_roles`` reports for a packed
+        model)."""
         return {id(self.flat(pack)): pack.role for pack in self.packs}
 
     def __repr__(self) -> str:
@@ -161,7 +162,8 @@ def holder(model: nn.Module, module: nn.Module, attr: str) -> tuple[nn.Parameter
             if any(m is module and a == attr for m, a in piece.owners):
                 return packing.flat(pack), slice(at, at + piece.numel)
             at += piece.numel
-    raise ValueError(f"{type(module).__name__}.{attr} is neither a parameter of the module nor packed in the model")
+    raise ValueError(f"{type(module).__name__}.{attr} is neither a parameter of the module nor packed in "
+                     "the model")
 
 
 @contextlib.contextmanager
@@ -199,7 +201,8 @@ def _plan(model: nn.Module) -> dict[str, list[tuple[Piece, nn.Parameter]]]:
         if len(chosen) < 2:
             continue
         plan[role] = [(Piece(names=tuple(n for n, _, _ in owners[id(p)]),
-                             owners=tuple({(id(m), a): (m, a) for _, m, a in owners[id(p)]}.values()),  # a module used twice
+                             # one entry per (module, attribute): a module used twice owns it once
+                             owners=tuple({(id(m), a): (m, a) for _, m, a in owners[id(p)]}.values()),
                              shape=tuple(p.shape)), p) for p in chosen]
     return plan
 
@@ -276,19 +279,20 @@ def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, d
     for pack in packing.packs if packing is not None else ():
         missing = [p.names[0] for p in pack.pieces if p.names[0] not in params]
         if missing:
-            raise ValueError(f"pack_state: the state lacks {missing[:5]} ({len(missing)} packed {pack.role} vectors)")
+            raise ValueError(f"pack_state: the state lacks {missing[:5]} ({len(missing)} packed {pack.role} "
+                             "vectors)")
         params[pack.name] = _cat(_take(pack.pieces, params))
         states = [s or {} for s in _take(pack.pieces, moments)]
         moments[pack.name] = {k: _cat([s[k] for s in states]) for k in states[0]} if all(states) else {}
 
 
-def _split(pieces: tuple[Piece, ...] | list[Piece], flat: Tensor) -> list[tuple[str, Tensor]]:
+def _split(pieces: Sequence[Piece], flat: Tensor) -> list[tuple[str, Tensor]]:
     """``(name, view)`` for every piece and each of its names: ``flat`` cut back into the vectors."""
     chunks = flat.split([p.numel for p in pieces])
     return [(name, chunk.view(p.shape)) for p, chunk in zip(pieces, chunks, strict=True) for name in p.names]
 
 
-def _take(pieces: tuple[Piece, ...], entries: dict, prefix: str = "") -> list:
+def _take(pieces: Sequence[Piece], entries: dict, prefix: str = "") -> list:
     """Pop every piece's entries (under all its names) from ``entries``; the first name's values, in order."""
     first = [entries.pop(prefix + p.names[0], None) for p in pieces]
     for p in pieces:

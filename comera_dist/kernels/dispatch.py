@@ -127,11 +127,13 @@ def tt_linear(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Te
     return y.reshape(*x.shape[:-1], R.shape[-1])
 
 
-def tt_linear_shared(x: Tensor, factors: list[tuple[Tensor, Tensor]], biases: list[Tensor | None]) -> list[Tensor]:
+def tt_linear_shared(x: Tensor, factors: list[tuple[Tensor, Tensor]],
+                     biases: list[Tensor | None]) -> list[Tensor]:
     """``[tt_linear(x, L, R, b) for (L, R), b in zip(factors, biases)]``, layers reading the same ``x``:
     on the torch path the input side is one GEMM (``contract.tt_linear_lr_shared``); a layer whose
     shape runs in Triton sends them all through ``tt_linear``."""
-    if any(resolve_backend(x, "tt_linear", (L.shape[0], L.shape[1], R.shape[1])) == "triton" for L, R in factors):
+    backends = {resolve_backend(x, "tt_linear", (L.shape[0], L.shape[1], R.shape[1])) for L, R in factors}
+    if "triton" in backends:
         return [tt_linear(x, L, R, b) for (L, R), b in zip(factors, biases, strict=True)]
     x2d = x.reshape(-1, x.shape[-1])  # (T, N_in)
     ys = contract.tt_linear_lr_shared(x2d, [L for L, _ in factors], [R for _, R in factors], biases)

@@ -25,7 +25,8 @@ def tt_linear_lr(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) ->
     return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out); bias fused into the GEMM
 
 
-def tt_linear_lr_shared(x: Tensor, Ls: list[Tensor], Rs: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+def tt_linear_lr_shared(x: Tensor, Ls: list[Tensor], Rs: list[Tensor],
+                        biases: list[Tensor | None]) -> list[Tensor]:
     """``[tt_linear_lr(x, L_i, R_i, b_i) for each i]`` for layers reading the same ``x`` (attention's Q,
     K and V), the input side as one GEMM: ``h = x [L_1 | ... | L_n]`` (T, sum r_i), then ``h_i R_i + b_i``
     each. The backward then has one GEMM for x's gradient and one for the L's, where separate layers

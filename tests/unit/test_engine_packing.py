@@ -1,4 +1,5 @@
-"""``engine.packing``: a model's 1-D parameters trained as one flat parameter per role, keys and numbers unchanged."""
+"""``engine.packing``: a model's 1-D parameters trained as one flat parameter per role, keys and numbers
+unchanged."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_the_penalty_needs_the_gates_attached():
         rank_penalty(model).backward()
     assert model.packed_gates.grad is not None and model.packed_gates.grad.abs().sum() > 0
     assert not any(t.requires_grad for t in packing.views(packing.packs[1], detached=True))
-    assert not model.get_submodule(next(n for n, _ in tensorized_modules(model))).gate.requires_grad  # detached again
+    first_layer = next(layer for _, layer in tensorized_modules(model))
+    assert not first_layer.gate.requires_grad  # detached again
 
 
 def test_state_dicts_load_across_packed_and_plain():

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 from dist_helpers import run_ranks
-from engine_cases import assert_same_training, batch, factory, knob_runs, tiny_config
+from engine_cases import assert_same_training, batch, factory, full_params, knob_runs, tiny_config
 
 from comera_dist.engine.packing import NAMES
 
@@ -21,6 +21,7 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
     out: dict = {"resume": {}, "routes": {}}
     out["train"] = knob_runs(outdir, rank, world_size, "pack_vectors",
                              lambda s: {"names": [n for n, _ in s.module.named_parameters()]})
+    out["fallback"] = _without_forward_penalty(outdir, rank, world_size)
     # Save after 2 steps, then step 3 three ways: straight on, and resumed by an engine of the other packing
     # (at the same stage: DeepSpeed's shards cannot load, the consolidated state must) and at ZeRO 3.
     writer = tiny_config(f"{outdir}/writer", zero_stage=1, steps=3)
@@ -49,6 +50,25 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
     return out
 
 
+def _without_forward_penalty(outdir: str, rank: int, world_size: int) -> dict:
+    """The packed ZeRO-1 bf16 knob run again with a model whose forward gives no R (as the HF models):
+    the session computes ``rank_penalty`` itself, with the packed gates attached to autograd."""
+    from comera_dist.engine.session import TrainSession
+    from comera_dist.models import bert_mlm
+
+    real = bert_mlm.shared_factors_and_penalty
+    bert_mlm.shared_factors_and_penalty = lambda model: (real(model)[0], None)
+    try:
+        cfg = tiny_config(f"{outdir}/fallback", zero_stage=1, precision="bf16", pack_vectors=True)
+        s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
+        losses = [s.train_step([batch(step, rank, 0)]).task_loss for step in (1, 2, 3)]
+        out = {"losses": losses, "params": full_params(s)}
+        s.engine.destroy()
+    finally:
+        bert_mlm.shared_factors_and_penalty = real
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("packed")
@@ -64,6 +84,13 @@ def test_packed_engine_trains_like_the_plain_one(runs):
             assert not [n for n in packed["names"] if n.endswith((".core", ".gate", ".bias"))], packed["names"]
             assert len(plain["names"]) - len(packed["names"]) >= 10, (plain["names"], packed["names"])
             assert_same_training(packed, plain, stage)
+
+
+def test_the_sessions_own_penalty_reaches_the_packed_gates(runs):
+    """Without R from the forward the session's ``rank_penalty`` must still train the packed gates:
+    the same weights as with the forward's R (the gates' penalty gradient is 1/#alive either way)."""
+    for rank in (0, 1):
+        assert_same_training(runs[rank]["fallback"], runs[rank]["train"][(1, True)], 1)
 
 
 def test_checkpoints_cross_between_packed_and_plain_engines(runs):

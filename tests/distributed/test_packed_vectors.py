@@ -1,10 +1,13 @@
 """``deepspeed.pack_vectors`` on 2 real ranks: the packed engine (cores, gates and dense vectors, one flat
 parameter each) trains like the plain one, and checkpoints cross between packed and plain engines
-(ZeRO 1 <-> 3, and the flag flipped at one stage)."""
+(ZeRO 1 <-> 3, the flag flipped at one stage, and a checkpoint of the first packing, dense vectors only)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 from dist_helpers import run_ranks
@@ -14,6 +17,8 @@ from comera_dist.engine.packing import NAMES
 
 
 def _cases(rank: int, world_size: int, outdir: str) -> dict:
+    import torch.distributed as dist
+
     from comera_dist.engine.distributed import init_distributed
     from comera_dist.engine.session import TrainSession
 
@@ -31,7 +36,12 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
     path = s.save(2)
     out["resume"]["straight"] = s.train_step([batch(3, rank)]).task_loss
     s.engine.destroy()
-    for label, stage, pack in (("unpacked", 1, False), ("zero3", 3, True), ("packed", 1, True)):
+    first = path.parent.parent / "first-packing" / path.name
+    if rank == 0:
+        _as_first_packing_checkpoint(path, first)
+    dist.barrier()
+    for label, stage, pack, src in (("unpacked", 1, False, path), ("zero3", 3, True, path),
+                                    ("packed", 1, True, path), ("first_packing", 1, True, first)):
         cfg = tiny_config(f"{outdir}/writer", zero_stage=stage, steps=3, pack_vectors=pack)
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         seen: list[str] = []
@@ -41,13 +51,31 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         try:
-            s.resume(str(path))
+            s.resume(str(src))
         finally:
             logger.removeHandler(handler)
         out["routes"][label] = " ".join(m for m in seen if "elastic resume" in m)
         out["resume"][label] = s.train_step([batch(3, rank)]).task_loss
         s.engine.destroy()
     return out
+
+
+def _as_first_packing_checkpoint(src: Path, dst: Path) -> None:
+    """``dst``: the checkpoint ``src`` as the first packing (dense vectors only) would have written it:
+    ``packed_vectors: true`` in the meta instead of ``packing``, and DeepSpeed shards this version cannot
+    load (garbage here: a resume that touched them would fail). The manifest is rewritten to match."""
+    from comera_dist.engine import checkpoint as ckpt
+    from comera_dist.engine import manifest
+
+    shutil.copytree(src, dst)
+    meta = json.loads((dst / ckpt.META).read_text())
+    del meta["packing"]
+    meta["packed_vectors"] = True
+    (dst / ckpt.META).write_text(json.dumps(meta))
+    for shard in dst.glob("*_states.pt"):
+        shard.write_bytes(b"not a DeepSpeed shard of this packing")
+    names = manifest.checkpoint_files(dst)
+    (dst / manifest.MARKER).write_text(manifest.render(dst.name, manifest.describe(dst, names)))
 
 
 def _without_forward_penalty(outdir: str, rank: int, world_size: int) -> dict:
@@ -96,9 +124,11 @@ def test_the_sessions_own_penalty_reaches_the_packed_gates(runs):
 def test_checkpoints_cross_between_packed_and_plain_engines(runs):
     for rank in (0, 1):
         got = runs[rank]["resume"]
-        for label in ("unpacked", "zero3", "packed"):
+        for label in ("unpacked", "zero3", "packed", "first_packing"):
             assert got[label] == pytest.approx(got["straight"], rel=1e-5), (rank, label, got)
     routes = runs[0]["routes"]  # rank 0 logs the consolidated route and why it was taken
     assert "packed roles ['cores', 'dense', 'gates'] -> none" in routes["unpacked"], routes
     assert "-> 2 rank(s) at ZeRO 3" in routes["zero3"], routes
     assert routes["packed"] == "", routes  # same packing and stage: DeepSpeed's own shards
+    # a checkpoint of the first packing (dense vectors only): its shards cannot load, the consolidated state does
+    assert "packed roles ['dense'] -> ['cores', 'dense', 'gates']" in routes["first_packing"], routes

@@ -75,8 +75,10 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
     assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - packed_1d + 3
     # every role trains as one tensor in its own AdamW group, with the plain model's settings
     groups = {g["name"]: g for g in param_groups(packed_model, LrConfig())}
-    assert [p.shape for p in groups["cores"]["params"]] == [packing.flat(packing.packs[0]).shape]
-    assert groups["gates"]["params"] == [packed_model.packed_gates] and groups["gates"]["weight_decay"] == 0.0
+    for role in ("cores", "gates"):
+        assert len(groups[role]["params"]) == 1 and groups[role]["params"][0] is getattr(packed_model, NAMES[role])
+    assert any(p is packed_model.packed_vectors for p in groups["dense"]["params"])
+    assert groups["gates"]["weight_decay"] == 0.0
     opts = [torch.optim.AdamW(param_groups(m, LrConfig(cores=1e-2, gates=1e-2, dense=1e-2)), weight_decay=0.01)
             for m in (plain, packed_model)]
     named = dict(plain.named_parameters())
@@ -102,13 +104,12 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
 def test_the_penalty_needs_the_gates_attached():
     """Outside the forward the owners hold detached views: R computed there reaches no gate."""
     model = _model()
-    packing = pack_vectors(model)
+    pack_vectors(model)
     _loss(model, 0)
     assert not rank_penalty(model).requires_grad  # detached views between forwards
     with attached(model, ("gates",)):
         rank_penalty(model).backward()
     assert model.packed_gates.grad is not None and model.packed_gates.grad.abs().sum() > 0
-    assert not any(t.requires_grad for t in packing.views(packing.packs[1], detached=True))
     first_layer = next(layer for _, layer in tensorized_modules(model))
     assert not first_layer.gate.requires_grad  # detached again
 

@@ -50,15 +50,12 @@ vectors only), so its shards and ``zero_to_fp32`` entries keep meaning the same.
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """One packed vector: its state-dict names (one per owner; a shared parameter has several), owners."""
+    """One packed vector (1-D, so its length is its shape): its state-dict names (one per owner; a shared
+    parameter has several), owners, length."""
 
     names: tuple[str, ...]
     owners: tuple[tuple[nn.Module, str], ...]
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
+    numel: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +200,7 @@ def _plan(model: nn.Module) -> dict[str, list[tuple[Piece, nn.Parameter]]]:
         plan[role] = [(Piece(names=tuple(n for n, _, _ in owners[id(p)]),
                              # one entry per (module, attribute): a module used twice owns it once
                              owners=tuple({(id(m), a): (m, a) for _, m, a in owners[id(p)]}.values()),
-                             shape=tuple(p.shape)), p) for p in chosen]
+                             numel=p.numel()), p) for p in chosen]
     return plan
 
 
@@ -289,7 +286,7 @@ def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, d
 def _split(pieces: Sequence[Piece], flat: Tensor) -> list[tuple[str, Tensor]]:
     """``(name, view)`` for every piece and each of its names: ``flat`` cut back into the vectors."""
     chunks = flat.split([p.numel for p in pieces])
-    return [(name, chunk.view(p.shape)) for p, chunk in zip(pieces, chunks, strict=True) for name in p.names]
+    return [(name, chunk) for p, chunk in zip(pieces, chunks, strict=True) for name in p.names]
 
 
 def _take(pieces: Sequence[Piece], entries: dict, prefix: str = "") -> list:

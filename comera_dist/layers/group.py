@@ -141,8 +141,7 @@ def project_shared_input(layers: Sequence[nn.Module], x: Tensor, factors: Factor
     if any(lr is None for lr in lrs):
         return [project(layer, x, factors) for layer in layers]
     for layer in layers:
-        if x.shape[-1] != layer.in_features:
-            raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={layer.in_features}")
+        layer.check_input(x)
     return dispatch.tt_linear_shared(x, lrs, [layer.bias for layer in layers])
 
 

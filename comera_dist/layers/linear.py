@@ -132,8 +132,7 @@ class TTLinear(TensorizedModule):
         (``contract.tt_linear_lr_gelu``, which bypasses ``kernels.dispatch``), so autograd keeps
         ``x`` alone.
         """
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
+        self.check_input(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # (T, N_in)
         order = "lr" if factors is not None else \
@@ -156,6 +155,12 @@ class TTLinear(TensorizedModule):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)  # an fp32 bias must not promote a bf16 (autocast) output
         return y.reshape(*lead, self.out_features)
+
+    def check_input(self, x: Tensor) -> None:
+        """``x``'s last dim must be ``in_features`` (also for callers that apply the factors themselves,
+        ``layers.group.project_shared_input``)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
 
     def _halves(self, core: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
         """``L`` (middle mask folded in) and ``R`` from the flat cores and the gate vector (the batch-independent part)."""

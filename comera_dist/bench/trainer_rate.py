@@ -198,6 +198,18 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
             "ops": None if cfg.train.compile else aten_ops(lambda: session.train_step(micro))}
 
 
+def compile_counters() -> dict[str, dict[str, int]]:
+    """What Dynamo and inductor counted in this process (``torch._dynamo.utils.counters``): frames
+    compiled, graphs, graph breaks, and inductor's CUDA-graph counts (skipped graphs, non-static
+    inputs of the recorded graphs, copied at every replay), so a compiled run's JSON says whether its graphs replayed as
+    recorded (``train.compile``)."""
+    from torch._dynamo.utils import counters
+
+    kept = {"stats": counters["stats"], "graph_break": counters["graph_break"], "frames": counters["frames"],
+            "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}
+    return {group: {str(k): int(v) for k, v in found.items()} for group, found in kept.items()}
+
+
 def _single_rank_env(device: torch.device) -> None:
     """``common.single_rank_env``, and DeepSpeed's accelerator = the device."""
     single_rank_env()
@@ -330,6 +342,7 @@ def main(argv: list[str]) -> int:
         "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
         "profile": {"bench step": bench["profile"], "session step": session["profile"]},
         "bench_graph_error": None if graph is None else graph["error"],
+        "compile_counters": compile_counters() if cfg.train.compile else None,  # trainer and session together
         "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
     write_result(args.json, "trainer-rate", metrics, rows, result_config)
     return 0

@@ -34,6 +34,7 @@ model (``comera evaluate`` and ``export`` read checkpoints that way).
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -138,8 +139,7 @@ def pack_vectors(model: nn.Module) -> Packing | None:
         packs.append(Pack(role=role, name=NAMES[role], pieces=tuple(piece for piece, _ in chosen)))
     packing = model._packing = Packing(model, packs)
     packing.install(detached=True)
-    model.register_forward_pre_hook(_install)
-    model.register_forward_hook(_detach, always_call=True)
+    model.forward = types.MethodType(_packed_forward, model)
     model.register_state_dict_post_hook(_unpack_state_dict)
     model.register_load_state_dict_pre_hook(_pack_state_dict)
     return packing
@@ -222,18 +222,20 @@ def unpack_saved(model: nn.Module, state: dict[str, Tensor]) -> None:
         raise ValueError(f"the saved {left} match no two vectors of the model: a checkpoint of another model?")
 
 
-def _install(model: nn.Module, args) -> None:
-    """Forward pre-hook of the packed model (a function of its module, so a deep copy uses its own)."""
+def _packed_forward(model: nn.Module, *args, **kwargs):
+    """The packed model's ``forward`` (bound to it, so a deep copy binds its own): the class's forward
+    between ``install`` and the detached views (no autograd graph kept alive between forwards, and the
+    module can be deep-copied). Being the forward itself rather than forward hooks, it traces as one
+    graph under ``torch.compile`` (``train.compile``), views and their backward included, whose inputs
+    are the flat parameters. Hooks traced as frames of their own: three graphs, the forward's taking
+    every view as an input of its own, which CUDA-graph trees (``compile_mode=reduce-overhead``) do not
+    know as parameters and copy into their static buffers at each replay (read in torch's
+    ``cudagraph_trees``; not measured on a GPU)."""
     packing = packed_of(model)
-    if packing is not None:
-        packing.install()
-
-
-def _detach(model: nn.Module, args, output) -> None:
-    """Forward hook: between forwards the owners hold detached views (no autograd graph kept alive, and
-    the module can be deep-copied)."""
-    packing = packed_of(model)
-    if packing is not None:
+    packing.install()
+    try:
+        return type(model).forward(model, *args, **kwargs)
+    finally:
         packing.install(detached=True)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
@@ -131,8 +132,15 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     a stage switch changes only the objective outside the module (dynamo guards cover the rest).
     ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
     traces the same graphs without inductor's minutes-long C++ code generation on CPU).
-    ``train.compile_mode`` goes to torch.compile as its ``mode``."""
+    ``train.compile_mode`` goes to torch.compile as its ``mode``.
+
+    Dynamo's caches are reset first (``torch.compiler.reset``; the model is the process's only compiled
+    code). A rebuilt engine's module is a new object, and the old module's cache entries, dead as they
+    are, still count toward ``torch._dynamo.config.recompile_limit`` (8, and a module has a training and
+    an evaluation graph): without the reset, a run that pruned five times went on eagerly from there, with
+    one warning in its log."""
     if cfg.train.compile:
+        torch.compiler.reset()
         backend = os.environ.get("COMERA_COMPILE_BACKEND", "inductor")
         mode = cfg.train.compile_mode
         session.engine.compile(backend=backend, compile_kwargs={} if mode == "default" else {"mode": mode})

@@ -65,4 +65,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     graphs = (out / "logs" / "trainer-rate-graphs.log").read_text()
     assert "torch.compile (aot_eager, mode reduce-overhead): engine compiled = True" in graphs  # trainer and session
     assert summary["metrics"]["trainer-rate-graphs"]["trainer_tokens_per_s"] > 0
+    counted = json.loads((out / "trainer-rate-graphs.json").read_text())["config"]["compile_counters"]
+    # one graph per compiled forward: the trainer's training and evaluation calls, the session's (the
+    # packing's forward hooks made 7: each hook traced as a frame of its own)
+    assert counted["graph_break"] == {} and counted["stats"]["unique_graphs"] == 3, counted
     assert summary["env"]["mode"] == "cpu-smoke"

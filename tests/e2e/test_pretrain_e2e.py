@@ -268,6 +268,23 @@ def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_pa
         torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_compiled_run_stays_compiled_through_many_prunes(tmp_path):
+    """A prune at every step from step 3: six rebuilt modules, each compiled for training and
+    evaluation. The old modules' dead cache entries must not use up Dynamo's ``recompile_limit`` (8),
+    after which it runs the module eagerly and says so once (``hit config.recompile_limit``): the
+    trainer resets Dynamo before compiling a rebuilt engine. Backend ``eager``: Dynamo's caching is
+    what is under test."""
+    out = tmp_path / "run"
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
+               *PRUNING_RUN, "--set", "train.steps=8", "--set", "comera.pruning.every=1",
+               "--set", "train.checkpoint_every=0", "--set", "train.compile=true",
+               env=_env(COMERA_COMPILE_BACKEND="eager"), timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stderr.count("physical prune, engine rebuilt") >= 5
+    assert p.stderr.count("torch.compile (eager, mode default): engine compiled = True") >= 6
+    assert "recompile_limit" not in p.stderr, p.stderr[p.stderr.find("recompile_limit") - 500:][:1500]
+
+
 @pytest.mark.parametrize("backend,mode", [("aot_eager", "default"), ("inductor", "reduce-overhead")])
 def test_compiled_step_matches_eager(run_dir, tmp_path, backend, mode):
     """``train.compile: true`` (torch.compile of the forward inside the engine) trains the same

@@ -101,6 +101,36 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
     assert compression_report(packed_model) == compression_report(plain)  # leftover counts the dense pack only
 
 
+def test_compiles_as_one_graph_on_the_flat_parameters():
+    """``train.compile`` compiles the module's call (``nn.Module.compile``): the packed model's is one
+    graph, ``fullgraph`` too, whose tensor inputs are parameters and buffers, never a view of a piece
+    (hooks made three graphs and gave the forward every view as an input of its own); gradients equal
+    eager's."""
+    model = _model()
+    pack_vectors(model)
+    twin = copy.deepcopy(model)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    model.compile(backend=record, fullgraph=True)
+    for seed in range(2):  # the second call reuses the graph: the detached views left behind do not recompile
+        losses = [_loss(m, seed) for m in (model, twin)]
+        torch.testing.assert_close(losses[0], losses[1])
+        for loss in losses:
+            loss.backward()
+    assert len(graphs) == 1
+    inputs = graphs[0]
+    flats = [n for n in inputs if any(name in n for name in NAMES.values())]
+    assert len(flats) == 3
+    owned = ("parameters", "buffers", "input_ids", "labels")
+    assert all(any(k in n for k in owned) for n in inputs), [n for n in inputs if not any(k in n for k in owned)]
+    for name in NAMES.values():
+        torch.testing.assert_close(getattr(model, name).grad, getattr(twin, name).grad, msg=name)
+
+
 def test_the_penalty_needs_the_gates_attached():
     """Outside the forward the owners hold detached views: R computed there reaches no gate."""
     model = _model()

@@ -142,9 +142,18 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     if cfg.train.compile:
         torch.compiler.reset()
         backend = os.environ.get("COMERA_COMPILE_BACKEND", "inductor")
-        mode = cfg.train.compile_mode
-        session.engine.compile(backend=backend, compile_kwargs={} if mode == "default" else {"mode": mode})
-        log.info("torch.compile (%s, mode %s): engine compiled = %s", backend, mode, session.engine.is_compiled)
+        session.engine.compile(backend=backend, compile_kwargs=compile_options(cfg))
+        log.info("torch.compile (%s, mode %s): engine compiled = %s", backend, cfg.train.compile_mode,
+                 session.engine.is_compiled)
+
+
+def compile_options(cfg: RunConfig) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for ``train.compile``: ``train.compile_mode`` (none for
+    ``default``), and static shapes. An evaluation's short last batch then compiles a graph of its own;
+    with Dynamo's automatic dynamic shapes it made the batch dimension symbolic in every later graph of
+    the module, the training graph included."""
+    mode = cfg.train.compile_mode
+    return {"dynamic": False} | ({} if mode == "default" else {"mode": mode})
 
 
 def _format(values: dict[str, float]) -> str:

@@ -223,34 +223,41 @@ def test_grouped_factors_under_autocast_are_cast_once_per_group(monkeypatch):
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1], strict=True):
         assert torch.equal(a, b)
-    # per block, the matmuls' own casts: the shared input side of Q, K, V 1, their R's 3, and 2 each for
-    # out, FFN in and FFN out, so 2 x 10 in the forward and as many in the backward, become 2 per group
-    # (3 groups) each way
-    assert results[1][2] - results[0][2] == 2 * (2 * 10 - 2 * 3), (results[0][2], results[1][2])
+    # per block, the matmuls' own casts: the shared input side of Q, K, V 1, their stacked R's 1 (one
+    # shape: one batched GEMM), and 2 each for out, FFN in and FFN out, so 2 x 8 in the forward and as
+    # many in the backward, become 2 per group (3 groups) each way
+    assert results[1][2] - results[0][2] == 2 * (2 * 8 - 2 * 3), (results[0][2], results[1][2])
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves fp64 alone, and so does the rule
         assert tt.matmul_operand_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
         assert tt.matmul_operand_dtype(torch.zeros(1)) == torch.bfloat16
 
 
-def test_layers_reading_one_input_share_its_gemm():
+@pytest.mark.parametrize("killed,biased,saved", [
+    ((0, 1, 2), (True, False, True), 2 + 2 * 2),  # ragged (a prune): the input side only
+    ((0, 0, 0), (True, True, True), 2 * (2 + 2 * 2)),  # one shape: the output side too
+    ((0, 0, 0), (False, False, False), 2 * (2 + 2 * 2)),
+    ((0, 0, 0), (True, False, True), 2 + 2 * 2),  # one shape, a bias missing: the input side only
+], ids=["ragged", "equal", "equal-no-bias", "equal-some-bias"])
+def test_layers_reading_one_input_share_its_gemm(killed, biased, saved):
     """``project_shared_input`` (attention's Q, K, V) equals each layer on its own, forward and backward,
-    at different middle ranks (a ragged prune) and with and without a bias, in fewer GEMMs."""
+    at different middle ranks (a ragged prune) or equal ones, with and without a bias, in fewer GEMMs:
+    the input side always, the output side too when the layers have one shape and all or no biases."""
     from comera_dist.bench.ops import OpCounter
     from comera_dist.compression.pruning import apply_plan, make_plan
     from comera_dist.layers.group import project_shared_input
 
     g = torch.Generator().manual_seed(5)
     layers = torch.nn.ModuleList(TTLinear(12, 20, in_modes=[3, 4], out_modes=[4, 5], max_rank=3, generator=g,
-                                          bias=i != 1) for i in range(3)).double()
+                                          bias=biased[i]) for i in range(3)).double()
     with torch.no_grad():
-        for i, layer in enumerate(layers):
+        for layer, kill in zip(layers, killed, strict=True):
             layer.gate.uniform_(0.5, 1.5, generator=g)
             at = layer.bond_offsets()[layer.d - 1]
-            layer.gate[at:at + i] = 0.0  # the middle bond keeps 3, 2, 1 ranks
+            layer.gate[at:at + kill] = 0.0  # the middle bond keeps 3 - kill ranks
             if layer.bias is not None:
                 layer.bias.normal_(generator=g)
     apply_plan(layers, make_plan(layers))
-    assert [layer.bond_dims()[layer.d - 1] for layer in layers] == [3, 2, 1]  # three different middle ranks
+    assert [layer.bond_dims()[layer.d - 1] for layer in layers] == [3 - k for k in killed]
     x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
     results = []
     for shared in (True, False):
@@ -260,14 +267,16 @@ def test_layers_reading_one_input_share_its_gemm():
             sum((y * torch.randn(y.shape, generator=torch.Generator().manual_seed(i), dtype=y.dtype)).sum()
                 for i, y in enumerate(ys)).backward()
         results.append(([y.detach() for y in ys], x.grad.clone(), [p.grad.clone() for p in layers.parameters()],
-                        ops.ops["aten.mm"] + ops.ops["aten.addmm"]))
+                        sum(ops.ops[f"aten.{op}"] for op in ("mm", "addmm", "bmm", "baddbmm"))))
         x.grad, _ = None, layers.zero_grad()
     for a, b in zip(results[0][0], results[1][0], strict=True):
+        assert a.shape == (2, 7, 20) and a.is_contiguous()
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(results[0][1], results[1][1])
     for a, b in zip(results[0][2], results[1][2], strict=True):
         torch.testing.assert_close(a, b)
-    # forward 3 -> 1 input-side GEMM; backward: x's gradient and the L's in one GEMM each instead of 3 each
-    assert results[1][3] - results[0][3] == 2 + 2 * 2, (results[0][3], results[1][3])
+    # separate layers: 2 GEMMs per layer forward, 4 backward. A shared side: forward 3 -> 1, backward
+    # 6 -> 2 (x's gradient and the L's; the h's and the R's)
+    assert results[1][3] - results[0][3] == saved, (results[0][3], results[1][3])
     with pytest.raises(ValueError, match="in_features=12"):
         project_shared_input(layers, torch.randn(2, 5, dtype=torch.float64), shared_factors(layers))

@@ -94,10 +94,17 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 
 
 def check_cross_sections(cfg: RunConfig) -> None:
-    """Checks spanning sections: sequence length, and the tensorization vs the model dimensions."""
+    """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, and the
+    tensorization vs the model dimensions."""
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
+    if cfg.train.compile and cfg.deepspeed.zero_stage == 3:
+        # tried (torch 2.13, DeepSpeed 0.19.8): hundreds of graph breaks, then InternalTorchDynamoError
+        # (NameError '___tuple_iterator_getitem') at the first forward
+        raise ConfigError("train.compile=true needs deepspeed.zero_stage 0, 1 or 2 (got 3): ZeRO-3 gathers each "
+                          "module's parameters in forward hooks, which break the compiled graph at every module, "
+                          "and torch.compile fails on them at the first forward")
     if cfg.comera.enabled:
         check_factorization(cfg.model, cfg.comera)
 

@@ -46,7 +46,8 @@ class TrainConfig:
     process_group_timeout_s: float = 60.0
     """Collective timeout: a dead peer fails the job after this long instead of hanging (> 0)."""
     compile: bool = False
-    """Wrap the model forward in ``torch.compile`` (re-traced after a stage switch or a prune)."""
+    """Wrap the model forward in ``torch.compile`` (re-traced after a prune; static shapes). ZeRO 0-2
+    only: ZeRO-3's per-module gathering hooks break the graph (``config.check_cross_sections``)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """``torch.compile`` mode when ``compile`` is on. ``reduce-overhead`` replays the compiled forward
     and backward as CUDA graphs (CUDA-graph trees) on a GPU: the launch-bound CoMERA step's fix; a

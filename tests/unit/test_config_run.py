@@ -67,6 +67,12 @@ def test_seq_len_beyond_positions(tmp_path):
         load_run_config(_write(tmp_path), ["data.seq_len=32"])
 
 
+def test_compile_is_refused_at_zero3(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.compile=true needs deepspeed\.zero_stage 0, 1 or 2 \(got 3\)"):
+        load_run_config(_write(tmp_path), ["train.compile=true", "deepspeed.zero_stage=3"])
+    assert load_run_config(_write(tmp_path), ["train.compile=true", "deepspeed.zero_stage=2"]).train.compile
+
+
 def test_deepspeed_json_is_generated():
     section = DeepSpeedSection(zero_stage=3, micro_batch_size_per_gpu=2, precision="bf16",
                                stage3_param_persistence_threshold=0)

@@ -200,9 +200,9 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
 
 def compile_counters() -> dict[str, dict[str, int]]:
     """What Dynamo and inductor counted in this process (``torch._dynamo.utils.counters``): frames
-    compiled, graphs, graph breaks, and inductor's CUDA-graph counts (skipped graphs, non-static
-    inputs of the recorded graphs, copied at every replay), so a compiled run's JSON says whether its graphs replayed as
-    recorded (``train.compile``)."""
+    compiled, graphs, graph breaks, and inductor's CUDA-graph counts (skipped graphs; the recorded
+    graphs' non-static inputs, copied at every replay), so a compiled run's JSON (``train.compile``)
+    says whether its graphs replayed as recorded."""
     from torch._dynamo.utils import counters
 
     kept = {"stats": counters["stats"], "graph_break": counters["graph_break"], "frames": counters["frames"],

@@ -45,6 +45,8 @@ and ``trainer_loop_tokens_per_s``.
    ``session_rate_over_bench``). It splits the gap: bench -> session is DeepSpeed and the session's
    objective, all-reduces and host reads; session -> trainer is the data loader, metrics and logging.
    ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step.
+   ``host_ops_per_step_session``: the session step's top-level aten ops outside compiled graphs
+   (``host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
 
 ``--smoke``: ``configs/codebert-tiny-cpu.yaml`` shrunk like
 ``launch/gpu_check.sh --cpu-smoke`` (CI, under a minute on a CPU).
@@ -122,6 +124,32 @@ def aten_ops(step: Callable[[], Any]) -> int:
     return sum(count_step(step, warmup=0).ops.values())
 
 
+COMPILED_REGIONS = ("CompiledFunction", "CompiledFxGraph")
+"""Profiler events of a compiled graph's forward and backward: ops under them ran in the graph."""
+
+
+def host_ops(step: Callable[[], Any]) -> int:
+    """Top-level aten ops one ``step`` dispatches outside compiled graphs, by ``torch.profiler`` (a dispatch
+    mode would make Dynamo fall back to eager, so ``aten_ops`` cannot count a compiled step). Top-level:
+    not inside another aten op, so ``to`` counts once, not with its ``_to_copy``. Eager and compiled
+    steps count the same way: for ``train.compile`` the host work left around the graphs (DeepSpeed's
+    step, the session's objective and reads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent, counted = event.cpu_parent, True
+        while parent is not None and counted:
+            counted = not (parent.name.startswith("aten::") or any(r in parent.name for r in COMPILED_REGIONS))
+            parent = parent.cpu_parent
+        count += counted
+    return count
+
+
 def bare_contender(cfg, device: torch.device, *, capturable: bool = False):
     """The bare CoMERA step of ``cfg``'s model (see the module docstring) as a ``six_encoder.Contender``;
     ``capturable``: the AdamW keeps its step counts on the device (``bench.graphed``)."""
@@ -194,6 +222,7 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
     timed = time_steps(lambda _: session.train_step(micro), batch, steps)
     return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
             "profile": top_ops(lambda: session.train_step(micro)), "syncs": cuda_syncs(lambda: session.train_step(micro)),
+            "host_ops": host_ops(lambda: session.train_step(micro)),
             # a dispatch mode around a compiled step would count the fallback, not the graph
             "ops": None if cfg.train.compile else aten_ops(lambda: session.train_step(micro))}
 
@@ -313,6 +342,7 @@ def main(argv: list[str]) -> int:
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
                "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
                "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
+    metrics["host_ops_per_step_session"] = session["host_ops"]
     if session["ops"] is not None:
         metrics |= {"ops_per_step_bench": bench["ops"], "ops_per_step_session": session["ops"],
                     "ops_ratio_session_over_bench": session["ops"] / bench["ops"]}

@@ -45,6 +45,7 @@ def test_trainer_rate_smoke(tmp_path):
     assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
     assert result["config"]["device"] == "cpu"
     assert result["config"]["compile_counters"] is None  # not compiled (train.compile off)
+    assert m["host_ops_per_step_session"] > 0 and m["ops_per_step_session"] > 0
     assert result["config"]["command"].startswith("comera pretrain --config configs/codebert-tiny-cpu.yaml ")
 
     logged = {int(s): float(v) for s, total, v in STEP_LINE.findall(proc.stdout + proc.stderr)

@@ -341,8 +341,8 @@ def main(argv: list[str]) -> int:
     metrics = {"bench_tokens_per_s": bench_tps, "trainer_tokens_per_s": trainer["tokens_per_s"],
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
                "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
-               "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps}
-    metrics["host_ops_per_step_session"] = session["host_ops"]
+               "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps,
+               "host_ops_per_step_session": session["host_ops"]}
     if session["ops"] is not None:
         metrics |= {"ops_per_step_bench": bench["ops"], "ops_per_step_session": session["ops"],
                     "ops_ratio_session_over_bench": session["ops"] / bench["ops"]}

@@ -50,7 +50,7 @@ if [ "$MODE" = gpu ]; then
   # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
   SIZE=(--set data.max_files=60 --set deepspeed.micro_batch_size_per_gpu=16)
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
-  KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/kernels)
+  KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/unit/test_bench_compile_stats.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
   BENCH_SIX_WS=(-m comera_dist.bench six-encoder --batch-sizes 1 --dtypes fp32 --steps 10)

@@ -31,7 +31,9 @@ by ``config.load_run_config`` exactly as ``comera pretrain --set`` applies them)
    clock, so a step time covers the step's device work, like the bench's.
    ``trainer_loop_tokens_per_s`` (reported, not the target) is the loop's wall rate: B * T over the
    median interval between the starts of consecutive timed ``session.train_step`` calls, which also
-   covers the metrics call and the host work between steps.
+   covers the metrics call and the host work between steps. ``trainer_step_s`` and
+   ``trainer_data_wait_s``: the medians of the trainer's ``step_time_seconds`` and of the part of it
+   spent waiting for the batch (``data_wait_seconds``: the loader's prefetch falling behind).
 
 So the ratio compares one optimizer step of the same model on the same device at the same batch:
 the trainer's (DeepSpeed engine, bf16 weights in DeepSpeed's bf16 mode, ZeRO's optimizer, the
@@ -47,6 +49,9 @@ and ``trainer_loop_tokens_per_s``.
    ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step.
    ``host_ops_per_step_session``: the session step's top-level aten ops outside compiled graphs
    (``host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
+   ``config["compile_counters"]`` (compiled runs) and ``config["cudagraph_trees"]`` (CUDA): what Dynamo
+   and inductor counted, and the CUDA-graph tree's recordings, re-recordings and eager warm-ups, for the
+   trainer (read when it ends) and the session step (``bench.compile_stats``).
 
 ``--smoke``: ``configs/codebert-tiny-cpu.yaml`` shrunk like
 ``launch/gpu_check.sh --cpu-smoke`` (CI, under a minute on a CPU).
@@ -68,6 +73,7 @@ import torch
 from torch import Tensor
 
 from comera_dist.bench.common import base_parser, single_rank_env, write_result
+from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees
 from comera_dist.bench.six_encoder import time_steps, top_ops
 
 CONFIG = "configs/six-encoder-mlm.yaml"
@@ -223,20 +229,9 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
     return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
             "profile": top_ops(lambda: session.train_step(micro)), "syncs": cuda_syncs(lambda: session.train_step(micro)),
             "host_ops": host_ops(lambda: session.train_step(micro)),
+            "cudagraph_trees": cudagraph_trees(device),
             # a dispatch mode around a compiled step would count the fallback, not the graph
             "ops": None if cfg.train.compile else aten_ops(lambda: session.train_step(micro))}
-
-
-def compile_counters() -> dict[str, dict[str, int]]:
-    """What Dynamo and inductor counted in this process (``torch._dynamo.utils.counters``): frames
-    compiled, graphs, graph breaks, and inductor's CUDA-graph counts (skipped graphs; the recorded
-    graphs' non-static inputs, copied at every replay), so a compiled run's JSON (``train.compile``)
-    says whether its graphs replayed as recorded."""
-    from torch._dynamo.utils import counters
-
-    kept = {"stats": counters["stats"], "graph_break": counters["graph_break"], "frames": counters["frames"],
-            "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}
-    return {group: {str(k): int(v) for k, v in found.items()} for group, found in kept.items()}
 
 
 def _single_rank_env(device: torch.device) -> None:
@@ -271,6 +266,7 @@ def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]
 def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: Path) -> dict[str, Any]:
     """Train ``config`` for ``skip + steps`` steps in this process; the trainer's own per-step rates."""
     from comera_dist.config import load_run_config
+    from comera_dist.engine.device import accelerator_device
     from comera_dist.engine.session import TrainSession
     from comera_dist.engine.trainer import train
     from comera_dist.metrics import Metrics
@@ -285,6 +281,7 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
     finally:
         restore()
     wall = time.perf_counter() - t0
+    trees = cudagraph_trees(accelerator_device())  # before the session's compile resets them
     if status != 0 or not histories:
         raise SystemExit(f"trainer-rate: the trainer exited with status {status}")
     history = histories[-1]
@@ -294,11 +291,15 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
     if len(timed) != steps or len(starts) != skip + steps:
         raise SystemExit(f"trainer-rate: expected {skip + steps} logged steps, got {sorted(per_step)}")
     intervals = [b - a for a, b in zip(starts[skip:], starts[skip + 1:])]
+    waits = dict(history.scalars["data_wait_seconds"])
+    step_times = dict(history.scalars["step_time_seconds"])
     return {"tokens_per_s": statistics.median(per_step[s] for s in timed),
+            "data_wait_s": statistics.median(waits[s] for s in timed),
+            "step_s": statistics.median(step_times[s] for s in timed),
             "loop_tokens_per_s": cfg.data.seq_len * cfg.deepspeed.micro_batch_size_per_gpu
             / statistics.median(intervals) if intervals else float("nan"),
             "per_step": per_step, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
-            "wall_seconds": wall}
+            "wall_seconds": wall, "cudagraph_trees": trees}
 
 
 def main(argv: list[str]) -> int:
@@ -341,6 +342,7 @@ def main(argv: list[str]) -> int:
     metrics = {"bench_tokens_per_s": bench_tps, "trainer_tokens_per_s": trainer["tokens_per_s"],
                "trainer_rate_over_bench": trainer["tokens_per_s"] / bench_tps,
                "trainer_loop_tokens_per_s": trainer["loop_tokens_per_s"],
+               "trainer_step_s": trainer["step_s"], "trainer_data_wait_s": trainer["data_wait_s"],
                "session_tokens_per_s": session_tps, "session_rate_over_bench": session_tps / bench_tps,
                "host_ops_per_step_session": session["host_ops"]}
     if session["ops"] is not None:
@@ -373,6 +375,7 @@ def main(argv: list[str]) -> int:
         "profile": {"bench step": bench["profile"], "session step": session["profile"]},
         "bench_graph_error": None if graph is None else graph["error"],
         "compile_counters": compile_counters() if cfg.train.compile else None,  # trainer and session together
+        "cudagraph_trees": {"trainer": trainer["cudagraph_trees"], "session": session["cudagraph_trees"]},
         "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
     write_result(args.json, "trainer-rate", metrics, rows, result_config)
     return 0

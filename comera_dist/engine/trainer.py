@@ -95,11 +95,13 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
     return int(client["step"])
 
 
-def _step_metrics(out: Any, step_time: float, tokens: int, guard: NonFiniteGuard) -> dict[str, float]:
+def _step_metrics(out: Any, step_time: float, data_wait: float, tokens: int,
+                  guard: NonFiniteGuard) -> dict[str, float]:
     return {"train_loss": float(out.task_loss), "objective": float(out.loss), "rank_penalty": float(out.penalty),
             "lambda": float(out.lam), "stage": 0.0 if out.stage == "early" else 1.0,
             "learning_rate": float(out.lr), "grad_norm": float(out.grad_norm),
-            "step_time_seconds": step_time, "tokens_per_second": tokens / max(step_time, 1e-9),
+            "step_time_seconds": step_time, "data_wait_seconds": data_wait,
+            "tokens_per_second": tokens / max(step_time, 1e-9),
             "nonfinite_steps_total": float(guard.total)}
 
 
@@ -197,8 +199,10 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()
+            batches = data.next_train_batches()  # waits only when the loader's prefetch fell behind
+            data_wait = time.perf_counter() - t0
             try:
-                out = session.train_step(data.next_train_batches())
+                out = session.train_step(batches)
             except NonFiniteGradientsApplied as e:  # every rank: the gradient norm is global
                 log.error("stopping without a checkpoint: %s; the latest checkpoint %s is kept", e,
                           latest_complete(session.checkpoint_root))
@@ -210,7 +214,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
             step_time = time.perf_counter() - t0
             faults.arm(step, training=False)
             guard.update(out.skipped_nonfinite)
-            values = _step_metrics(out, step_time, data.tokens_per_step, guard)
+            values = _step_metrics(out, step_time, data_wait, data.tokens_per_step, guard)
             if out.skipped_nonfinite and info.rank == 0:
                 log.warning("step %d: non-finite loss or gradients, step skipped (%d in a row, %d in total)",
                             step, guard.consecutive, guard.total)

@@ -23,9 +23,9 @@ from comera_dist.metrics.report import write_report
 log = logging.getLogger(__name__)
 
 STANDARD_KEYS: tuple[str, ...] = (
-    "train_loss", "val_loss", "val_accuracy", "tokens_per_second", "step_time_seconds",
-    "learning_rate", "stage", "lambda", "compression_ratio", "compression_ratio_tensorized",
-    "model_params", "peak_memory_bytes", "nonfinite_steps_total", "epoch", "target_compression_ratio",
+    "train_loss", "val_loss", "val_accuracy", "tokens_per_second", "step_time_seconds", "data_wait_seconds",
+    "learning_rate", "stage", "lambda", "compression_ratio", "compression_ratio_tensorized", "model_params",
+    "peak_memory_bytes", "nonfinite_steps_total", "epoch", "target_compression_ratio",
 )
 """Keys with a meaning (and a Prometheus metric); any other key is kept for the report only."""
 

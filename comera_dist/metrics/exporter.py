@@ -34,6 +34,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "val_loss": ("comera_val_loss", "Validation loss of the last evaluation."),
     "val_accuracy": ("comera_val_accuracy_ratio", "Validation accuracy (0-1) of the last evaluation."),
     "tokens_per_second": ("comera_tokens_per_second", "Training throughput over all ranks, tokens/s."),
+    "data_wait_seconds": ("comera_data_wait_seconds",
+                          "Part of the last step's time spent waiting for its batch (rank 0), seconds."),
     "learning_rate": ("comera_learning_rate", "Learning rate of the TT cores parameter group."),
     "stage": ("comera_stage", "CoMERA stage: 0 early (weighted sum), 1 late (reference point)."),
     "lambda": ("comera_lambda", "Late-stage switch lambda: 1 when the size objective is further from target."),

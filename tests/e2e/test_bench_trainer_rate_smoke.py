@@ -45,7 +45,10 @@ def test_trainer_rate_smoke(tmp_path):
     assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
     assert result["config"]["device"] == "cpu"
     assert result["config"]["compile_counters"] is None  # not compiled (train.compile off)
+    assert result["config"]["cudagraph_trees"] == {"trainer": None, "session": None}  # no CUDA here
     assert m["host_ops_per_step_session"] > 0 and m["ops_per_step_session"] > 0
+    # the batch wait is part of the trainer's step time (tokens / step time is its tokens_per_second)
+    assert 0 <= m["trainer_data_wait_s"] < m["trainer_step_s"], (m["trainer_data_wait_s"], m["trainer_step_s"])
     assert result["config"]["command"].startswith("comera pretrain --config configs/codebert-tiny-cpu.yaml ")
 
     logged = {int(s): float(v) for s, total, v in STEP_LINE.findall(proc.stdout + proc.stderr)

@@ -54,12 +54,14 @@ def test_exporter_serves_standard_keys_in_base_units(metrics, tmp_path):
     values = {"train_loss": 2.5, "val_loss": 2.75, "val_accuracy": 0.25, "tokens_per_second": 1234.0,
               "learning_rate": 1e-4, "stage": 1, "lambda": 1.0, "compression_ratio": 3.5,
               "compression_ratio_tensorized": 7.0, "model_params": 1000, "peak_memory_bytes": 2**20, "epoch": 2,
-              "step_time_seconds": 0.3, "nonfinite_steps_total": 0, "custom_key": 9.0}
+              "step_time_seconds": 0.3, "data_wait_seconds": 0.02, "nonfinite_steps_total": 0,
+              "custom_key": 9.0}
     metrics.log(values, step=7)
     got = _scrape(metrics)
     for key, (name, _) in GAUGES.items():
         if key in values:
             assert got[(name, ())] == pytest.approx(float(values[key])), name
+    assert got[("comera_data_wait_seconds", ())] == pytest.approx(0.02)
     assert got[("comera_train_step", ())] == 7
     assert got[("comera_train_total_steps", ())] == 10 and got[("comera_world_size", ())] == 2
     assert got[("comera_step_time_seconds_count", ())] == 1

@@ -106,7 +106,7 @@ def test_dashboard_promql_passes_promtool(dashboard):
 def test_dashboard_shows_required_views(dashboard):
     text = " ".join(expressions(dashboard))
     for metric in ("comera_compression_ratio", "comera_tt_rank", "comera_train_loss", "comera_val_loss",
-                   "comera_tokens_per_second", "comera_peak_memory_bytes",
+                   "comera_tokens_per_second", "comera_data_wait_seconds", "comera_peak_memory_bytes",
                    "time() - comera_checkpoint_last_success_timestamp_seconds", "comera_stage"):
         assert metric in text, metric
 
@@ -116,7 +116,7 @@ def test_rules_and_dashboard_use_only_exported_metrics(tmp_path, dashboard):
     m = build_metrics(MetricsConfig(progress=False, report=False, compression_target=2.0), rank=0, local_rank=0,
                       world_size=1, total_steps=3, output_dir=tmp_path, run_name="names")
     m.log({"train_loss": 1, "val_loss": 1, "val_accuracy": 0.5, "tokens_per_second": 1, "step_time_seconds": 0.1,
-           "learning_rate": 1e-3, "stage": 0, "lambda": 0, "compression_ratio": 1, "compression_ratio_tensorized": 1,
+           "data_wait_seconds": 0.01, "learning_rate": 1e-3, "stage": 0, "lambda": 0, "compression_ratio": 1, "compression_ratio_tensorized": 1,
            "model_params": 1, "peak_memory_bytes": 1, "nonfinite_steps_total": 0, "epoch": 0}, 1)
     m.log_ranks({"layer": [1]}, 1)
     m.checkpoint_saved(True, 1)

@@ -1,0 +1,68 @@
+"""What torch.compile did in this process, for a benchmark's JSON: Dynamo's and inductor's counters,
+and the state of inductor's CUDA-graph trees (``mode="reduce-overhead"``).
+
+A compiled step can silently stop replaying its graphs: a re-recording at every step, a tree stuck
+warming up (run eagerly in the graph pool) because each step's forward starts while a backward is
+pending, or a graph skipped for an input mutation. Each costs a step's worth of launches or more and
+shows only in a debug log. These numbers make it part of the result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def compile_counters() -> dict[str, dict[str, int]]:
+    """What Dynamo and inductor counted in this process (``torch._dynamo.utils.counters``): frames
+    compiled, graphs, graph breaks, and inductor's CUDA-graph counts (skipped graphs; the recorded
+    graphs' non-static inputs, copied at every replay), so a compiled run's JSON (``train.compile``)
+    says whether its graphs replayed as recorded."""
+    from torch._dynamo.utils import counters
+
+    kept = {"stats": counters["stats"], "graph_break": counters["graph_break"], "frames": counters["frames"],
+            "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}}
+    return {group: {str(k): int(v) for k, v in found.items()} for group, found in kept.items()}
+
+
+def cudagraph_trees(device: torch.device) -> dict[str, Any] | None:
+    """The CUDA-graph tree of ``device`` in this thread (None off CUDA; zeros when nothing was compiled
+    with CUDA graphs since the last ``torch.compiler.reset``):
+
+    - ``functions``: compiled functions the tree manages (a training forward, its backward, an
+      evaluation forward ...);
+    - ``recorded_graphs``: graphs recorded in the tree. A steady training loop needs one per function
+      and call position; a count that grows with the steps is a re-recording at every step;
+    - ``rerecords``: re-recordings that inductor counted as unexpected (a changed input address, shape
+      or liveness), out of ``cudagraph_unexpected_rerecord_limit`` per function;
+    - ``new_recordings``: every recording after a tree was first completed, counted or not;
+    - ``warmed_up_functions``: functions run once eagerly before their recording;
+    - ``stuck_warming_up``: functions inductor warned about because a new invocation found the
+      previous one's outputs alive or its backward pending, so it ran eagerly in the graph pool instead
+      of replaying (the "Unable to hit fast path of CUDAGraphs" warning).
+
+    Read from inductor's private tree manager (``torch._inductor.cudagraph_trees``); a torch that lacks
+    one of these attributes gives ``{"error": ...}`` instead."""
+    if device.type != "cuda":
+        return None
+    from torch._inductor import cudagraph_trees as trees
+
+    try:
+        manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
+                                    create_if_none_exists=False)
+        if manager is None:
+            return {"functions": 0, "recorded_graphs": 0, "rerecords": 0, "new_recordings": 0,
+                    "warmed_up_functions": 0, "stuck_warming_up": 0}
+        pending = [node for nodes in manager.roots.values() for node in nodes]
+        recorded = 0
+        while pending:
+            node = pending.pop()
+            recorded += 1
+            pending.extend(child for children in node.children.values() for child in children)
+        return {"functions": len(manager.ids_to_funcs), "recorded_graphs": recorded,
+                "rerecords": sum(n for per_node in manager.num_rerecord.values() for n in per_node.values()),
+                "new_recordings": int(manager.debug_fail_counter),
+                "warmed_up_functions": len(manager.warmed_up_functions),
+                "stuck_warming_up": len(manager.warned_functions)}
+    except (AttributeError, TypeError) as e:  # private API: report what changed rather than fail the run
+        return {"error": f"{type(e).__name__}: {e}"}

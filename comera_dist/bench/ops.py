@@ -66,6 +66,10 @@ SYNC_OPS: frozenset[str] = frozenset({
 """Ops that read device data back to the host (by overload packet name)."""
 
 
+GEMM_OPS: tuple[str, ...] = ("mm", "addmm", "bmm", "baddbmm")
+"""The matrix products (aten names) a row's ``gemms`` counts."""
+
+
 def _indexes_with_bool(args: tuple) -> bool:
     """``aten.index``/``index_put`` with a boolean mask index: a hidden ``nonzero``."""
     indices = args[1] if len(args) > 1 else ()
@@ -133,6 +137,7 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
     total = sum(counter.ops.values())
     return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32",
             "ops": total, "kernel_ops": total - counter.views,
+            "gemms": sum(counter.ops[f"aten.{op}"] for op in GEMM_OPS),
             "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
             "top_ops": dict(counter.ops.most_common(12))}
 
@@ -166,6 +171,7 @@ def main(argv: list[str]) -> int:
     metrics["syncs_excess_comera_over_dense"] = metrics["syncs_per_step_comera"] - metrics["syncs_per_step_dense"]
     pruned = by["comera_pruned", "static", "fp32"]
     metrics |= {"ops_per_step_comera_pruned": pruned["ops"], "syncs_per_step_comera_pruned": pruned["syncs"],
+                "kernel_ops_per_step_comera_pruned": pruned["kernel_ops"],
                 "ops_ratio_comera_pruned_over_dense": pruned["ops"] / by["dense", "static", "fp32"]["ops"]}
     met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
            "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}

@@ -7,7 +7,8 @@ contracting them as one batched chain (``tensor.contract.contract_halves_batched
 the same per group. After a physical prune the layers of a group keep different ranks: their cores
 and gates are then stacked zero-padded to the group's largest ranks (``layers.ragged``; a padded
 rank has gate 0, so it is masked out and adds exactly nothing) and each layer's ``L``/``R`` is cut
-back to its own middle rank, so pruning never costs the batching. The model computes
+back to its own middle rank on the CPU, or keeps the padded one on a GPU
+(``kernels.dispatch.keeps_padded_ranks``), so pruning never costs the batching. The model computes
 ``shared_factors(self)`` once at the top of its forward and hands the mapping down;
 ``project(layer, x, factors)`` applies a layer with its factors (or without, for dense layers,
 layers with a forced non-``lr`` order, and callers that pass none).
@@ -85,7 +86,7 @@ def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[T
         G = len(group)
         params = [t for layer in group for t in (layer.core, layer.gate, layer.tau)]
         shapes = tuple(tuple(layer.core_shapes()) for layer in group)
-        shape = (G, group[0].d, shapes)
+        shape = (G, group[0].d, shapes, not dispatch.keeps_padded_ranks(group[0].core))
         got = on_one_thread(lambda *p, s=shape: _batched(p, *s), *params)  # G L, G R, sum, count
         for i, layer in enumerate(group):
             out[id(layer)] = (got[i], got[G + i])
@@ -110,10 +111,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tuple[int, ...], ...], ...]
-             ) -> tuple[Tensor, ...]:
+def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tuple[int, ...], ...], ...],
+             cut: bool = True) -> tuple[Tensor, ...]:
     """Stack the group's cores/gates/thresholds (zero-padded where ranks differ), mask, contract:
-    ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank.
+    ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank when
+    ``cut``, else at the group's (``kernels.dispatch.keeps_padded_ranks``: the padding is exact zeros).
 
     ``params`` is ``(core, gate, tau)`` per layer, ``shapes[i]`` layer ``i``'s core shapes."""
     cores = padded_cores([params[3 * i] for i in range(G)], shapes)  # (G, r, n_k, r') per core
@@ -127,6 +129,8 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
     widths = [max(b[k] for b in bonds) for k in range(len(shapes[0]) - 1)]
     L, R = contract.contract_halves_batched(cores, list(m.split(widths, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
     Ls, Rs = L.unbind(0), R.unbind(0)
+    if not cut:
+        return (*Ls, *Rs, total, count)
     mid = [b[d - 1] for b in bonds]  # each layer's own middle rank (padding cut off)
     Ls = [x if r == widths[d - 1] else x[:, :r] for x, r in zip(Ls, mid)]
     Rs = [x if r == widths[d - 1] else x[:r] for x, r in zip(Rs, mid)]

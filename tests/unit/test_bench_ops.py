@@ -40,6 +40,10 @@ def test_ops_smoke_static_step_has_no_sync(tmp_path):
     assert m["syncs_excess_comera_over_dense"] <= 0
     # after a prune that gives every layer its own ranks: still no sync (the padded gather is static)
     assert by["comera_pruned", "static", "fp32"]["syncs"] == m["syncs_per_step_comera_pruned"] == 0
+    # ... and as many GEMMs as before it: on the GPU path a pruned group's factors keep its padded rank,
+    # so no layer leaves its batched chain and Q, K, V's output side stays one batched GEMM
+    assert by["comera_pruned", "static", "fp32"]["gemms"] == by["comera", "static", "fp32"]["gemms"] > 0
+    assert m["kernel_ops_per_step_comera_pruned"] == by["comera_pruned", "static", "fp32"]["kernel_ops"]
     # bf16 (autocast) rows: autocast's casts are kernels the fp32 step does not run, and no sync either
     for c in ("dense", "comera"):
         bf16, fp32 = by[c, "static", "bf16"], by[c, "static", "fp32"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.compression.walk import tensorized_modules
+from comera_dist.kernels import dispatch
 from comera_dist.layers import TTLinear
 from comera_dist.layers import group as group_mod
 from comera_dist.layers.group import project, shared_factors
@@ -69,22 +72,31 @@ def test_forced_orders_are_grouped_apart():
     torch.testing.assert_close(project(layers[2], x, got), layers[2](x))
 
 
-def test_pruned_layers_stay_batched_zero_padded_and_match_their_own_path(monkeypatch):
-    """After a prune the layers of a group differ in ranks: still one batched chain, each layer's
-    factors at its own ranks, and the same outputs and gradients as every layer on its own."""
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_pruned_layers_stay_batched_zero_padded_and_match_their_own_path(monkeypatch, path):
+    """After a prune the layers of a group differ in ranks: still one batched chain, and the same outputs
+    and gradients as every layer on its own. On the CPU each layer's factors are cut to its own middle
+    rank; on the GPU path (``static_shapes``, its CPU proxy) they keep the group's, the padding exact
+    zeros."""
     layers = _layers(5).double()
     assert layers[0].d == 2 and layers[0].bond_dims() == [3, 3, 3]
     layers[0].prune_({0: torch.tensor([0, 2]), 1: torch.tensor([1])})  # bond 1 is the middle one (d = 2)
     layers[2].prune_({2: torch.tensor([2])})
     widths = []
     real = group_mod._batched
-    monkeypatch.setattr(group_mod, "_batched", lambda p, G, d, shapes: widths.append(
-        tuple(tuple(c[-1] for c in s[:-1]) for s in shapes)) or real(p, G, d, shapes))
+    monkeypatch.setattr(group_mod, "_batched", lambda p, G, d, shapes, cut: widths.append(
+        tuple(tuple(c[-1] for c in s[:-1]) for s in shapes)) or real(p, G, d, shapes, cut))
     x = torch.randn(7, 12, dtype=torch.float64)
     inputs = [x if m.in_features == 12 else torch.cat([x, x[:, :8]], 1) for m in layers]
-    got = shared_factors(layers)
+    with dispatch.static_shapes() if path == "gpu" else contextlib.nullcontext():
+        got = shared_factors(layers)
     assert widths == [((2, 1, 3), (3, 3, 3), (3, 3, 1))]  # the three 12x20 layers, batched as one group
-    assert got[id(layers[0])][0].shape == (12, 1) and got[id(layers[0])][1].shape == (1, 20)
+    L, R = got[id(layers[0])]
+    if path == "cpu":
+        assert L.shape == (12, 1) and R.shape == (1, 20)
+    else:  # the group's middle rank 3; layer 0's own is 1: its L's padded columns are zeros, as R's rows
+        assert L.shape == (12, 3) and R.shape == (3, 20)
+        assert not L[:, 1:].any() and not R[1:].any() and L[:, 0].any()
     out = sum(project(m, v, got).square().sum() for m, v in zip(layers, inputs))
     out.backward()
     grads = [p.grad.clone() for p in layers.parameters()]
@@ -232,16 +244,19 @@ def test_grouped_factors_under_autocast_are_cast_once_per_group(monkeypatch):
         assert tt.matmul_operand_dtype(torch.zeros(1)) == torch.bfloat16
 
 
-@pytest.mark.parametrize("killed,biased,saved", [
-    ((0, 1, 2), (True, False, True), 2 + 2 * 2),  # ragged (a prune): the input side only
-    ((0, 0, 0), (True, True, True), 2 * (2 + 2 * 2)),  # one shape: the output side too
-    ((0, 0, 0), (False, False, False), 2 * (2 + 2 * 2)),
-    ((0, 0, 0), (True, False, True), 2 + 2 * 2),  # one shape, a bias missing: the input side only
-], ids=["ragged", "equal", "equal-no-bias", "equal-some-bias"])
-def test_layers_reading_one_input_share_its_gemm(killed, biased, saved):
+@pytest.mark.parametrize("killed,biased,path,saved", [
+    ((0, 1, 2), (True, False, True), "cpu", 2 + 2 * 2),  # ragged (a prune): the input side only
+    ((0, 1, 2), (True, True, True), "cpu", 2 + 2 * 2),
+    ((0, 1, 2), (True, True, True), "gpu", 2 * (2 + 2 * 2)),  # ragged, padded: the output side too
+    ((0, 0, 0), (True, True, True), "cpu", 2 * (2 + 2 * 2)),  # one shape: the output side too
+    ((0, 0, 0), (False, False, False), "cpu", 2 * (2 + 2 * 2)),
+    ((0, 0, 0), (True, False, True), "cpu", 2 + 2 * 2),  # one shape, a bias missing: the input side only
+], ids=["ragged", "ragged-all-bias", "ragged-gpu-path", "equal", "equal-no-bias", "equal-some-bias"])
+def test_layers_reading_one_input_share_its_gemm(killed, biased, path, saved):
     """``project_shared_input`` (attention's Q, K, V) equals each layer on its own, forward and backward,
     at different middle ranks (a ragged prune) or equal ones, with and without a bias, in fewer GEMMs:
-    the input side always, the output side too when the layers have one shape and all or no biases."""
+    the input side always, the output side too when the layers have one shape and all or no biases. On
+    the GPU path (``static_shapes``) a ragged group's factors keep its padded rank, so one shape."""
     from comera_dist.bench.ops import OpCounter
     from comera_dist.compression.pruning import apply_plan, make_plan
     from comera_dist.layers.group import project_shared_input
@@ -261,7 +276,8 @@ def test_layers_reading_one_input_share_its_gemm(killed, biased, saved):
     x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
     results = []
     for shared in (True, False):
-        factors = shared_factors(layers)
+        with dispatch.static_shapes() if path == "gpu" else contextlib.nullcontext():
+            factors = shared_factors(layers)
         with OpCounter() as ops:
             ys = project_shared_input(layers, x, factors) if shared else [project(m, x, factors) for m in layers]
             sum((y * torch.randn(y.shape, generator=torch.Generator().manual_seed(i), dtype=y.dtype)).sum()

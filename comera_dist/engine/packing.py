@@ -15,8 +15,10 @@ parameters are removed and, at the start of every forward of the model, each own
 *view* of its piece of the flat parameter under its old attribute name (``split`` once per role, so the
 backward is one concatenation into each flat gradient). Between forwards the attributes hold detached
 views (the same storage, so in-place updates of the flat parameter show through, and the readers of the
-gates between steps, S and the metrics, see current values; a forward, or ``install(detached=True)``
-after DeepSpeed moved or cast the module, refreshes them). Code outside the model's forward that needs
+gates between steps, S and the metrics, see current values; made once per storage of each flat
+parameter and reused, so a compiled forward leaves nothing to rebuild after its graph: an eager forward,
+or ``install(detached=True)`` after DeepSpeed moved or cast the module, makes them again when the flat
+parameter moved). Code outside the model's forward that needs
 gradients through the owners' attributes (the session's rank penalty) runs inside ``attached(model)``.
 
 The model's ``state_dict`` and ``load_state_dict`` keep the unpacked keys (``...query.bias``,
@@ -75,6 +77,7 @@ class Packing:
     def __init__(self, model: nn.Module, packs: list[Pack]) -> None:
         self.model = model
         self.packs = packs
+        self._resting: dict[str, tuple[tuple, list[Tensor]]] = {}  # pack name -> (where its flat was, views)
 
     def flat(self, pack: Pack) -> nn.Parameter:
         """The model's parameter ``pack.name``, looked up each time (``Module._apply`` may replace it)."""
@@ -88,12 +91,42 @@ class Packing:
 
     def install(self, *, detached: bool = False, roles: tuple[str, ...] = ROLES) -> None:
         """Give every owner of ``roles`` its view under its old attribute name (a plain tensor, not a
-        parameter)."""
+        parameter): in autograd, or ``detached``, the resting views (``resting_views``)."""
         for pack in self.packs:
             if pack.role in roles:
-                for piece, view in zip(pack.pieces, self.views(pack, detached=detached), strict=True):
+                views = self.resting_views(pack) if detached else self.views(pack)
+                for piece, view in zip(pack.pieces, views, strict=True):
                     for module, attr in piece.owners:
                         setattr(module, attr, view)
+
+    def resting_views(self, pack: Pack) -> list[Tensor]:
+        """The detached views the owners hold between forwards, made once per storage of the flat
+        parameter and reused (in-place updates show through them).
+
+        Reuse is what keeps a compiled forward's epilogue empty: every attribute a compiled forward
+        leaves set to a tensor made inside it is rebuilt after the graph, a ``detach`` and a ``split``
+        per piece on the host (280 aten ops for the six-encoder MLM's 140 pieces), while a tensor that
+        existed before the call is only put back. Eager, the views are made again when the flat
+        parameter moved (``Module._apply``, DeepSpeed's re-viewing): the cached views keep the old
+        storage alive, so a new one cannot take its address. Inside a traced forward, where addresses
+        cannot be read, when its dtype, device or size changed."""
+        flat = self.flat(pack)
+        cached = self._resting.get(pack.name)
+        if torch.compiler.is_compiling():
+            if cached is not None and cached[0][2:] == (flat.dtype, flat.device, flat.numel()):
+                return cached[1]
+            return self.views(pack, detached=True)
+        if cached is None or cached[0] != _where(flat):
+            cached = self._resting[pack.name] = (_where(flat), self.views(pack, detached=True))
+        return cached[1]
+
+    def refresh(self) -> None:
+        """Eager: give the owners of every pack whose flat parameter moved since its resting views were
+        made new ones (a compiled forward cannot see such a move when dtype, device and size stayed)."""
+        for pack in self.packs:
+            cached = self._resting.get(pack.name)
+            if cached is None or cached[0] != _where(self.flat(pack)):
+                self.install(detached=True, roles=(pack.role,))
 
     def roles(self) -> dict[int, str]:
         """``id(flat parameter) -> role`` (what ``compression.groups.param_roles`` reports for a packed
@@ -103,6 +136,11 @@ class Packing:
     def __repr__(self) -> str:
         return "Packing(" + ", ".join(f"{p.name}: {len(p.pieces)} vectors, {self.flat(p).numel()} elements"
                                       for p in self.packs) + ")"
+
+
+def _where(flat: Tensor) -> tuple:
+    """Where ``flat``'s values live: storage address and offset, dtype, device, size."""
+    return flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.dtype, flat.device, flat.numel()
 
 
 def packed_of(model: nn.Module) -> Packing | None:

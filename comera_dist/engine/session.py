@@ -37,7 +37,7 @@ from comera_dist.engine.device import (
     to_device,
 )
 from comera_dist.engine.hooks import PenaltyHook, gate_refs, gathered
-from comera_dist.engine.packing import attached
+from comera_dist.engine.packing import attached, packed_of
 from comera_dist.engine.prune import (
     gather_full_state,
     load_full_state,
@@ -244,6 +244,9 @@ class TrainSession:
             raise ValueError(f"train_step: got {len(micro_batches)} micro-batches, the config accumulates "
                              f"{self.accumulation} (deepspeed.gradient_accumulation_steps)")
         self.engine.train()
+        packing = packed_of(self.module)
+        if packing is not None:  # S below reads the gates' resting views: they must show the flat parameter
+            packing.refresh()
         micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
         if len(micro_batches) > 1 and not self.zero_skips_nonfinite and not self._all_finite(micro_batches):
             return self._skipped()

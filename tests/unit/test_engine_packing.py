@@ -20,6 +20,7 @@ from comera_dist.compression.walk import tensorized_modules
 from comera_dist.engine.packing import (
     NAMES,
     attached,
+    holder,
     pack_state,
     pack_vectors,
     packed_of,
@@ -129,6 +130,52 @@ def test_compiles_as_one_graph_on_the_flat_parameters():
     assert all(any(k in n for k in owned) for n in inputs), [n for n in inputs if not any(k in n for k in owned)]
     for name in NAMES.values():
         torch.testing.assert_close(getattr(model, name).grad, getattr(twin, name).grad, msg=name)
+
+
+def test_resting_views_are_reused_and_follow_the_flat_parameter():
+    """Between forwards each owner holds a detached view of its piece, the same tensor after every forward
+    (so a compiled forward has nothing to rebuild), in-place updates of the flat parameter show through,
+    and a forward after the flat parameter moved (here ``double()``) hands out views of the new one."""
+    model = _model()
+    pack_vectors(model)
+    layer = next(layer for _, layer in tensorized_modules(model))
+    resting = layer.gate
+    _loss(model, 0).backward()
+    assert layer.gate is resting and not resting.requires_grad
+    flat, span = holder(model, layer, "gate")
+    with torch.no_grad():
+        flat.add_(1.0)
+    assert torch.equal(layer.gate, flat.detach()[span])
+    model.double()
+    _loss(model, 1)
+    flat, span = holder(model, layer, "gate")
+    assert layer.gate.dtype == torch.float64 and torch.equal(layer.gate, flat.detach()[span])
+
+
+def test_a_compiled_forward_leaves_nothing_to_rebuild():
+    """A compiled forward sets the owners' attributes back to the resting views, which existed before the
+    call: no host op after the graph. Made inside the call, each would be rebuilt there (a ``detach`` and a
+    ``split`` per piece, every forward). ``refresh`` picks up a move a traced forward cannot see."""
+    from comera_dist.bench.trainer_rate import host_ops
+
+    model = _model()
+    packing = pack_vectors(model)
+    model.compile(backend="aot_eager", fullgraph=True)
+    for seed in range(2):
+        _loss(model, seed).backward()
+    layer = next(layer for _, layer in tensorized_modules(model))
+    resting = layer.gate
+    pieces = sum(len(pack.pieces) for pack in packing.packs)
+    assert host_ops(lambda: _loss(model, 2)) < 10 < pieces
+    assert layer.gate is resting
+    flat, span = holder(model, layer, "gate")
+    flat.data = flat.data.clone()  # a new storage, same dtype, device and size
+    with torch.no_grad():
+        flat.mul_(2.0)
+    _loss(model, 3)
+    assert layer.gate is resting  # the traced forward cannot tell
+    packing.refresh()
+    assert torch.equal(layer.gate, flat.detach()[span])
 
 
 def test_the_penalty_needs_the_gates_attached():

@@ -130,10 +130,11 @@ class DeepSpeedSection:
     the concern it is for dense models. Training is the same either way (tested on 2 ranks at ZeRO 1
     and 2). Not timed on a GPU yet. Only ZeRO 1-2 (``zero_stage`` 1 or 2) take ``false``."""
     pack_vectors: bool = True
-    """ZeRO 0-2: train the model's 1-D parameters as one flat parameter per AdamW group (``engine.packing``):
-    every layer's flat ``core``, every layer's ``gate``, and the dense vectors (the TT layers' biases, the
-    LayerNorms). DeepSpeed's per-tensor work then runs once per role instead of once per tensor
-    (six-encoder MLM: 143 -> 6 parameter tensors). The same numbers train the same way, and state dicts
+    """ZeRO 0-2: train the model's 1-D and 2-D parameters as one flat parameter per AdamW group
+    (``engine.packing``): every layer's flat ``core``, every layer's ``gate``, and the dense role's (the TT
+    layers' biases, the LayerNorms, the position and token-type tables, the MLM head's transform).
+    DeepSpeed's per-tensor work then runs once per role instead of once per tensor (six-encoder MLM:
+    143 -> 3 parameter tensors). The same numbers train the same way, and state dicts
     and exports keep the per-module keys. ZeRO-3 never packs (it gathers each module's own parameters
     around its forward). ``false``: every parameter its own tensor, as built."""
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -1,14 +1,16 @@
-"""The model's 1-D parameters trained as one flat parameter per role (cores, gates, dense) at ZeRO 0-2.
+"""The model's 1-D and 2-D parameters trained as one flat parameter per role (cores, gates, dense) at
+ZeRO 0-2.
 
 DeepSpeed's ZeRO 1-2 step does its bookkeeping per parameter tensor: copying each gradient into its
 partition, one norm per gradient, re-viewing each weight into the flat buffer, the bf16 overflow check
 (about 32 aten ops per tensor and step; most of them kernel launches on a GPU). A six-encoder MLM has
-143 parameter tensors, and 140 of them are 1-D: every tensorized layer's flat ``core`` and ``gate``
-(37 each) and 66 vectors of the "dense" role (the TT layers' biases, the LayerNorms, the MLM head's).
-Each role has its own AdamW group (learning rate, weight decay), and AdamW is element-wise within a
-group, so the same numbers train the same way as one flat parameter per role: ``packed_cores``,
-``packed_gates`` and ``packed_vectors``. DeepSpeed then sees 6 tensors (the position and token-type
-tables and the MLM head's transform stay 2-D).
+143 parameter tensors: every tensorized layer's flat ``core`` and ``gate`` (37 each), 66 vectors of the
+"dense" role (the TT layers' biases, the LayerNorms, the MLM head's) and 3 tables and matrices of it
+(the position and token-type tables, the MLM head's transform). Each role has its own AdamW group
+(learning rate, weight decay), and AdamW is element-wise within a group, so the same numbers train the
+same way as one flat parameter per role: ``packed_cores``, ``packed_gates`` and ``packed_vectors``
+(the dense role's, named when it held vectors only). DeepSpeed then sees 3 tensors (6 with the first
+layout, which left the 2-D ones alone: ``LAYOUT``).
 
 This is the flat-parameter technique of PyTorch FSDP (``use_orig_params=False``): the owners' own
 parameters are removed and, at the start of every forward of the model, each owner gets a plain-tensor
@@ -51,14 +53,23 @@ model's children meets it). ``packed_vectors`` is the dense role's name since th
 vectors only), so its shards and ``zero_to_fp32`` entries keep meaning the same."""
 
 
+LAYOUT = 2
+"""What a packing holds, as a checkpoint's meta records it (``packing_layout``): 1, the 1-D parameters
+(checkpoints before the tenth session); 2, the 2-D ones of the dense role too (position and token-type
+tables, the MLM head's transform), so a six-encoder MLM trains as 3 tensors instead of 6."""
+DIMS = {1: (1,), 2: (1, 2)}
+"""The parameter dims each layout packs."""
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """One packed vector (1-D, so its length is its shape): its state-dict names (one per owner; a shared
-    parameter has several), owners, length."""
+    """One packed parameter: its state-dict names (one per owner; a shared parameter has several), owners,
+    element count and shape."""
 
     names: tuple[str, ...]
     owners: tuple[tuple[nn.Module, str], ...]
     numel: int
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +82,13 @@ class Pack:
 
 
 class Packing:
-    """The model's packs (one per role with two or more vectors); hands each owner its view
+    """The model's packs (one per role with two or more parameters); hands each owner its view
     (``install``). Kept as the model's ``_packing`` attribute."""
 
-    def __init__(self, model: nn.Module, packs: list[Pack]) -> None:
+    def __init__(self, model: nn.Module, packs: list[Pack], layout: int = LAYOUT) -> None:
         self.model = model
         self.packs = packs
+        self.layout = layout
         self._resting: dict[str, tuple[tuple, list[Tensor]]] = {}  # pack name -> (where its flat was, views)
 
     def flat(self, pack: Pack) -> nn.Parameter:
@@ -87,7 +99,7 @@ class Packing:
         """Each piece's view of ``pack``'s flat parameter, in order (one ``split``: its backward is one
         concatenation); ``detached``: views outside autograd (what the attributes hold between forwards)."""
         flat = self.flat(pack).detach() if detached else self.flat(pack)
-        return list(flat.split([p.numel for p in pack.pieces]))  # pieces are 1-D: no per-piece view op
+        return _shaped(pack.pieces, flat.split([p.numel for p in pack.pieces]))
 
     def install(self, *, detached: bool = False, roles: tuple[str, ...] = ROLES) -> None:
         """Give every owner of ``roles`` its view under its old attribute name (a plain tensor, not a
@@ -134,7 +146,7 @@ class Packing:
         return {id(self.flat(pack)): pack.role for pack in self.packs}
 
     def __repr__(self) -> str:
-        return "Packing(" + ", ".join(f"{p.name}: {len(p.pieces)} vectors, {self.flat(p).numel()} elements"
+        return "Packing(" + ", ".join(f"{p.name}: {len(p.pieces)} parameters, {self.flat(p).numel()} elements"
                                       for p in self.packs) + ")"
 
 
@@ -149,21 +161,29 @@ def packed_of(model: nn.Module) -> Packing | None:
     return found if isinstance(found, Packing) else None
 
 
+def packing_layout(model: nn.Module) -> int:
+    """The packed model's ``LAYOUT``, 0 for an unpacked one (what a checkpoint's meta records as
+    ``packing_layout``)."""
+    packing = packed_of(model)
+    return packing.layout if packing is not None else 0
+
+
 def packed_roles(model: nn.Module) -> list[str]:
     """The roles packed in ``model``, sorted (what a checkpoint's meta records as ``packing``)."""
     packing = packed_of(model)
     return sorted(p.role for p in packing.packs) if packing is not None else []
 
 
-def pack_vectors(model: nn.Module) -> Packing | None:
-    """Move ``model``'s trainable 1-D parameters into one flat parameter per role (see the module
-    docstring); None when no role has two. Not for ZeRO-3-partitioned models (``ds_id``)."""
+def pack_vectors(model: nn.Module, layout: int = LAYOUT) -> Packing | None:
+    """Move ``model``'s trainable parameters of ``layout``'s dims (``DIMS``: 1-D and 2-D) into one flat
+    parameter per role (see the module docstring); None when no role has two. Not for
+    ZeRO-3-partitioned models (``ds_id``)."""
     if packed_of(model) is not None:
         raise ValueError(f"{type(model).__name__} is already packed")
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError("pack_vectors: the model is partitioned by ZeRO-3, whose per-module gathering needs "
                          "every module's parameters to stay its own")
-    plan = _plan(model)
+    plan = _plan(model, layout)
     if not plan:
         return None
     packs = []
@@ -175,7 +195,7 @@ def pack_vectors(model: nn.Module) -> Packing | None:
                 del module._parameters[attr]
         model.register_parameter(NAMES[role], nn.Parameter(flat))
         packs.append(Pack(role=role, name=NAMES[role], pieces=tuple(piece for piece, _ in chosen)))
-    packing = model._packing = Packing(model, packs)
+    packing = model._packing = Packing(model, packs, layout)
     packing.install(detached=True)
     model.forward = types.MethodType(_packed_forward, model)
     model.register_state_dict_post_hook(_unpack_state_dict)
@@ -216,16 +236,16 @@ def attached(model: nn.Module, roles: tuple[str, ...] = ROLES) -> Iterator[None]
         packing.install(detached=True, roles=roles)
 
 
-def _plan(model: nn.Module) -> dict[str, list[tuple[Piece, nn.Parameter]]]:
-    """Per role (ROLES order), the vectors ``pack_vectors`` packs, in order (deterministic for an
-    architecture at given shapes: ``unpack_saved`` relies on it), each with its parameter; a role with
-    fewer than two is left out."""
+def _plan(model: nn.Module, layout: int = LAYOUT) -> dict[str, list[tuple[Piece, nn.Parameter]]]:
+    """Per role (ROLES order), the parameters ``pack_vectors`` packs (those of ``layout``'s dims), in order
+    (deterministic for an architecture at given shapes: ``unpack_saved`` relies on it), each with its
+    parameter; a role with fewer than two is left out."""
     roles = param_roles(model)
     owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
     first: dict[int, nn.Parameter] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
-            if p is None or not p.requires_grad or p.dim() != 1 or not p.is_floating_point():
+            if p is None or not p.requires_grad or p.dim() not in DIMS[layout] or not p.is_floating_point():
                 continue
             owners.setdefault(id(p), []).append((f"{prefix}.{attr}" if prefix else attr, module, attr))
             first.setdefault(id(p), p)
@@ -238,26 +258,29 @@ def _plan(model: nn.Module) -> dict[str, list[tuple[Piece, nn.Parameter]]]:
         plan[role] = [(Piece(names=tuple(n for n, _, _ in owners[id(p)]),
                              # one entry per (module, attribute): a module used twice owns it once
                              owners=tuple({(id(m), a): (m, a) for _, m, a in owners[id(p)]}.values()),
-                             numel=p.numel()), p) for p in chosen]
+                             numel=p.numel(), shape=tuple(p.shape)), p) for p in chosen]
     return plan
 
 
 def unpack_saved(model: nn.Module, state: dict[str, Tensor]) -> None:
     """In place: a state dict read from a packed run's DeepSpeed shards (``zero_to_fp32`` yields the flat
     entries, ``NAMES``) gets the per-module keys of ``model``, the unpacked model at the run's shapes."""
-    for role, chosen in _plan(model).items():
+    plans = {layout: _plan(model, layout) for layout in sorted(DIMS, reverse=True)}
+    for role in ROLES:
         flat = state.pop(NAMES[role], None)
         if flat is None:
             continue
-        pieces = [piece for piece, _ in chosen]
-        total = sum(p.numel for p in pieces)
-        if flat.numel() != total:
-            raise ValueError(f"the saved {NAMES[role]!r} holds {flat.numel()} values; the model's {len(pieces)} "
-                             f"{role} vectors hold {total}")
+        # the layout that wrote it: the one whose pieces hold as many values (a layout-1 run's shards too)
+        candidates = [[piece for piece, _ in plan[role]] for plan in plans.values() if role in plan]
+        pieces = next((c for c in candidates if sum(p.numel for p in c) == flat.numel()), None)
+        if pieces is None:
+            raise ValueError(f"the saved {NAMES[role]!r} holds {flat.numel()} values; the model's {role} "
+                             f"parameters hold {sorted({sum(p.numel for p in c) for c in candidates})} "
+                             f"(packing layouts {sorted(plans)})")
         state.update(_split(pieces, flat))
     left = sorted(set(NAMES.values()) & set(state))
     if left:
-        raise ValueError(f"the saved {left} match no two vectors of the model: a checkpoint of another model?")
+        raise ValueError(f"the saved {left} match no two parameters of the model: a checkpoint of another model?")
 
 
 def _packed_forward(model: nn.Module, *args, **kwargs):
@@ -317,16 +340,21 @@ def pack_state(model: nn.Module, params: dict[str, Tensor], moments: dict[str, d
         missing = [p.names[0] for p in pack.pieces if p.names[0] not in params]
         if missing:
             raise ValueError(f"pack_state: the state lacks {missing[:5]} ({len(missing)} packed {pack.role} "
-                             "vectors)")
+                             "parameters)")
         params[pack.name] = _cat(_take(pack.pieces, params))
         states = [s or {} for s in _take(pack.pieces, moments)]
         moments[pack.name] = {k: _cat([s[k] for s in states]) for k in states[0]} if all(states) else {}
 
 
 def _split(pieces: Sequence[Piece], flat: Tensor) -> list[tuple[str, Tensor]]:
-    """``(name, view)`` for every piece and each of its names: ``flat`` cut back into the vectors."""
-    chunks = flat.split([p.numel for p in pieces])
+    """``(name, view)`` for every piece and each of its names: ``flat`` cut back into the parameters."""
+    chunks = _shaped(pieces, flat.split([p.numel for p in pieces]))
     return [(name, chunk) for p, chunk in zip(pieces, chunks, strict=True) for name in p.names]
+
+
+def _shaped(pieces: Sequence[Piece], chunks: Sequence[Tensor]) -> list[Tensor]:
+    """Each 1-D chunk of a split flat tensor viewed at its piece's shape (a 1-D piece takes no view op)."""
+    return [c if len(p.shape) == 1 else c.view(p.shape) for p, c in zip(pieces, chunks, strict=True)]
 
 
 def _take(pieces: Sequence[Piece], entries: dict, prefix: str = "") -> list:

@@ -23,7 +23,7 @@ from comera_dist.compression.pruning import PruningPlan
 from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
-from comera_dist.engine.packing import packed_roles
+from comera_dist.engine.packing import packed_roles, packing_layout
 from comera_dist.engine.prune import load_full_state, model_at_shapes, restore_optimizer_state
 
 if TYPE_CHECKING:
@@ -64,7 +64,8 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
                     "rng": rng, "world_size": session.world_size}
     meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
-            "param_layout": ckpt.PARAM_LAYOUT, "packing": packed_roles(session.module)}
+            "param_layout": ckpt.PARAM_LAYOUT, "packing": packed_roles(session.module),
+            "packing_layout": packing_layout(session.module)}
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size
@@ -102,14 +103,15 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     rank, stage = dist.get_rank(), session.cfg.deepspeed.zero_stage
     legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
     # DeepSpeed's shards hold flat parameters for the roles the writing engine packed (engine.packing)
-    saved_packing, packing = _saved_roles(meta), packed_roles(session.module)
+    saved_packing, packing = _saved_packing(meta), (packed_roles(session.module), packing_layout(session.module))
     repacked = saved_packing != packing
     if legacy or repacked or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
         if rank == 0:
             why = (f"parameter layout {meta.get('param_layout', 1)} -> {ckpt.PARAM_LAYOUT} (one core and one gate "
                    f"parameter per layer)" if legacy else elastic.describe_move(meta, session.world_size, stage))
             if repacked:
-                why += f", packed roles {saved_packing or 'none'} -> {packing or 'none'}"
+                why += (f", packed roles {saved_packing[0] or 'none'} (layout {saved_packing[1]}) -> "
+                        f"{packing[0] or 'none'} (layout {packing[1]})")
             log.info("elastic resume from %s: %s", path, why)
         payload = ckpt.read_full_state(path)
         if legacy:
@@ -170,9 +172,12 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _saved_roles(meta: Mapping[str, Any]) -> list[str]:
-    """The roles a checkpoint's engine packed: its meta's ``packing``; a checkpoint of the first packing
-    (the dense vectors only) says ``packed_vectors: true``; older ones packed nothing."""
+def _saved_packing(meta: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The roles a checkpoint's engine packed and its ``packing.LAYOUT`` (0: nothing packed): its meta's
+    ``packing`` and ``packing_layout``; a checkpoint of the first packing (the dense vectors only) says
+    ``packed_vectors: true``; older ones packed nothing; before ``packing_layout`` the layout was 1."""
     if "packing" in meta:
-        return sorted(meta["packing"])
-    return ["dense"] if meta.get("packed_vectors") else []
+        roles = sorted(meta["packing"])
+    else:
+        roles = ["dense"] if meta.get("packed_vectors") else []
+    return roles, int(meta.get("packing_layout", 1)) if roles else 0

@@ -37,11 +37,14 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
     out["resume"]["straight"] = s.train_step([batch(3, rank)]).task_loss
     s.engine.destroy()
     first = path.parent.parent / "first-packing" / path.name
+    layout_1 = path.parent.parent / "layout-1" / path.name
     if rank == 0:
-        _as_first_packing_checkpoint(path, first)
+        _as_older_checkpoint(path, first, first_packing=True)
+        _as_older_checkpoint(path, layout_1, first_packing=False)
     dist.barrier()
     for label, stage, pack, src in (("unpacked", 1, False, path), ("zero3", 3, True, path),
-                                    ("packed", 1, True, path), ("first_packing", 1, True, first)):
+                                    ("packed", 1, True, path), ("first_packing", 1, True, first),
+                                    ("layout_1", 1, True, layout_1)):
         cfg = tiny_config(f"{outdir}/writer", zero_stage=stage, steps=3, pack_vectors=pack)
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         seen: list[str] = []
@@ -60,17 +63,21 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
     return out
 
 
-def _as_first_packing_checkpoint(src: Path, dst: Path) -> None:
-    """``dst``: the checkpoint ``src`` as the first packing (dense vectors only) would have written it:
-    ``packed_vectors: true`` in the meta instead of ``packing``, and DeepSpeed shards this version cannot
-    load (garbage here: a resume that touched them would fail). The manifest is rewritten to match."""
+def _as_older_checkpoint(src: Path, dst: Path, *, first_packing: bool) -> None:
+    """``dst``: the checkpoint ``src`` as an older packing would have written it, with DeepSpeed shards this
+    version cannot load (garbage here: a resume that touched them would fail). ``first_packing`` (dense
+    vectors only): ``packed_vectors: true`` in the meta instead of ``packing``; else the first packing
+    layout (1-D parameters of every role, before 2-D ones were packed): no ``packing_layout``. The
+    manifest is rewritten to match."""
     from comera_dist.engine import checkpoint as ckpt
     from comera_dist.engine import manifest
 
     shutil.copytree(src, dst)
     meta = json.loads((dst / ckpt.META).read_text())
-    del meta["packing"]
-    meta["packed_vectors"] = True
+    del meta["packing_layout"]
+    if first_packing:
+        del meta["packing"]
+        meta["packed_vectors"] = True
     (dst / ckpt.META).write_text(json.dumps(meta))
     for shard in dst.glob("*_states.pt"):
         shard.write_bytes(b"not a DeepSpeed shard of this packing")
@@ -124,11 +131,15 @@ def test_the_sessions_own_penalty_reaches_the_packed_gates(runs):
 def test_checkpoints_cross_between_packed_and_plain_engines(runs):
     for rank in (0, 1):
         got = runs[rank]["resume"]
-        for label in ("unpacked", "zero3", "packed", "first_packing"):
+        for label in ("unpacked", "zero3", "packed", "first_packing", "layout_1"):
             assert got[label] == pytest.approx(got["straight"], rel=1e-5), (rank, label, got)
     routes = runs[0]["routes"]  # rank 0 logs the consolidated route and why it was taken
-    assert "packed roles ['cores', 'dense', 'gates'] -> none" in routes["unpacked"], routes
+    assert "packed roles ['cores', 'dense', 'gates'] (layout 2) -> none (layout 0)" in routes["unpacked"], routes
     assert "-> 2 rank(s) at ZeRO 3" in routes["zero3"], routes
     assert routes["packed"] == "", routes  # same packing and stage: DeepSpeed's own shards
     # a checkpoint of the first packing (dense vectors only): its shards cannot load, the consolidated state does
-    assert "packed roles ['dense'] -> ['cores', 'dense', 'gates']" in routes["first_packing"], routes
+    assert "packed roles ['dense'] (layout 1) -> ['cores', 'dense', 'gates'] (layout 2)" in routes["first_packing"], \
+        routes
+    # a checkpoint of the first layout (1-D parameters only): the same
+    assert "packed roles ['cores', 'dense', 'gates'] (layout 1) -> ['cores', 'dense', 'gates'] (layout 2)" in \
+        routes["layout_1"], routes

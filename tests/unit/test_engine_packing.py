@@ -25,6 +25,7 @@ from comera_dist.engine.packing import (
     pack_vectors,
     packed_of,
     packed_roles,
+    packing_layout,
     unpack_saved,
     unpack_state,
 )
@@ -55,11 +56,11 @@ def _objective(model: nn.Module, seed: int) -> torch.Tensor:
 
 
 def _by_role(model: nn.Module) -> dict[str, list[str]]:
-    """The plain model's 1-D parameter names per role, in module order (what each pack must hold)."""
+    """The plain model's 1-D and 2-D parameter names per role, in module order (what each pack must hold)."""
     roles = param_roles(model)
     out: dict[str, list[str]] = {"cores": [], "gates": [], "dense": []}
     for n, p in model.named_parameters():
-        if p.dim() == 1:
+        if p.dim() in (1, 2):
             out[roles.get(id(p), "dense")].append(n)
     return out
 
@@ -72,8 +73,9 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
     assert {p.role: [piece.names[0] for piece in p.pieces] for p in packing.packs} == want
     assert len(want["cores"]) == len(list(tensorized_modules(plain))) and len(want["dense"]) > 10
     assert packed_roles(packed_model) == ["cores", "dense", "gates"]
-    packed_1d = sum(len(v) for v in want.values())
-    assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - packed_1d + 3
+    assert any(p.dim() == 2 for n, p in plain.named_parameters() if n in want["dense"])  # tables, matrices
+    packed = sum(len(v) for v in want.values())
+    assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - packed + 3 == 3
     # every role trains as one tensor in its own AdamW group, with the plain model's settings
     groups = {g["name"]: g for g in param_groups(packed_model, LrConfig())}
     for role in ("cores", "gates"):
@@ -213,8 +215,9 @@ def test_a_shared_vector_is_packed_once_and_keeps_every_key():
     plain = copy.deepcopy(model)
     packing = pack_vectors(model)
     assert [p.role for p in packing.packs] == ["dense"]
-    assert [p.names for p in packing.packs[0].pieces] == [("0.bias",), ("1.weight", "3.weight"), ("1.bias", "3.bias"),
-                                                 ("2.bias",)]
+    assert [p.names for p in packing.packs[0].pieces] == [("0.weight",), ("0.bias",), ("1.weight", "3.weight"),
+                                                          ("1.bias", "3.bias"), ("2.weight",), ("2.bias",)]
+    assert [p.shape for p in packing.packs[0].pieces] == [(4, 4), (4,), (4,), (4,), (4, 4), (4,)]
     assert model.state_dict().keys() == plain.state_dict().keys()
     x = torch.randn(3, 4)
     torch.testing.assert_close(model(x), plain(x))
@@ -272,12 +275,14 @@ def test_refuses_partitioned_and_repacked_models():
         pack_vectors(model)
 
 
-def test_a_packed_runs_saved_flat_vector_loads_into_the_plain_model():
+@pytest.mark.parametrize("layout", [2, 1])
+def test_a_packed_runs_saved_flat_vector_loads_into_the_plain_model(layout):
     """What ``comera evaluate``/``export`` read from a packed run's ZeRO shards (``zero_to_fp32`` yields the
-    flat entry): ``unpack_saved`` gives it the plain model's keys."""
+    flat entry): ``unpack_saved`` gives it the plain model's keys, for this packing layout and for the
+    first one's checkpoints (1-D parameters only: the 2-D ones saved under their own keys)."""
     trained, fresh = _perturbed(), _model()
     packed_model = copy.deepcopy(trained)
-    pack_vectors(packed_model)
+    assert pack_vectors(packed_model, layout).layout == layout == packing_layout(packed_model)
     saved = {n: p.detach().clone() for n, p in packed_model.named_parameters()}  # what the shards hold
     saved |= {n: b.clone() for n, b in packed_model.named_buffers()}
     assert set(NAMES.values()) <= set(saved)
@@ -301,3 +306,22 @@ def test_a_pruned_state_into_a_packed_model_names_the_ranks():
     pack_vectors(packed_model)
     with pytest.raises(ValueError, match="needs a model built with its ranks"):
         packed_model.load_state_dict(pruned.state_dict())
+
+
+@pytest.mark.parametrize("meta,want", [
+    ({"packing": ["gates", "cores", "dense"], "packing_layout": 2}, (["cores", "dense", "gates"], 2)),
+    ({"packing": ["cores", "dense", "gates"]}, (["cores", "dense", "gates"], 1)),  # before packing_layout
+    ({"packed_vectors": True}, (["dense"], 1)),  # the first packing
+    ({"packing": [], "packing_layout": 0}, ([], 0)),
+    ({}, ([], 0)),  # older: nothing packed
+])
+def test_a_checkpoints_packing_is_read_with_its_layout(meta, want):
+    """A resume compares the checkpoint's packing with the engine's (roles and ``LAYOUT``): DeepSpeed's
+    shards only load into an engine packed the same way, so a layout-1 checkpoint (1-D parameters only)
+    takes the consolidated route into today's layout-2 engine."""
+    from comera_dist.engine.resume import _saved_packing
+
+    assert _saved_packing(meta) == want
+    model = _model()
+    pack_vectors(model)
+    assert (packed_roles(model), packing_layout(model)) == (["cores", "dense", "gates"], 2)

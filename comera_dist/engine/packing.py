@@ -116,8 +116,8 @@ class Packing:
         parameter and reused (in-place updates show through them).
 
         Reuse is what keeps a compiled forward's epilogue empty: every attribute a compiled forward
-        leaves set to a tensor made inside it is rebuilt after the graph, a ``detach`` and a ``split``
-        per piece on the host (280 aten ops for the six-encoder MLM's 140 pieces), while a tensor that
+        leaves set to a tensor made inside it is rebuilt after the graph, about 3 host ops per piece
+        (``detach``, ``split``, a view: 420 for the six-encoder MLM's 140 pieces), while a tensor that
         existed before the call is only put back. Eager, the views are made again when the flat
         parameter moved (``Module._apply``, DeepSpeed's re-viewing): the cached views keep the old
         storage alive, so a new one cannot take its address. Inside a traced forward, where addresses

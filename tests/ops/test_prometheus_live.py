@@ -59,7 +59,8 @@ def _train(metrics, model, out_dir, on_phase_end) -> dict:
             acc = (torch.sign(model(xv)) == torch.sign(yv)).float().mean().item()
         report = compression_report(model)
         last = {"train_loss": task.item(), "val_loss": val, "val_accuracy": acc, "tokens_per_second": len(x) / dt,
-                "step_time_seconds": dt, "learning_rate": opt.param_groups[0]["lr"], "stage": stage,
+                "step_time_seconds": dt, "data_wait_seconds": 0.0,  # the batch is in memory: no wait
+                "learning_rate": opt.param_groups[0]["lr"], "stage": stage,
                 "lambda": float(stage), "compression_ratio": report["compression_ratio_model"],
                 "compression_ratio_tensorized": report["compression_ratio_tensorized"],
                 "model_params": report["size"] + report["leftover_params"],

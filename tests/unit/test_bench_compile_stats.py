@@ -28,6 +28,7 @@ def test_dynamo_counts_a_graph_break():
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.timeout(100)  # two inductor compiles of forward and backward; gpu_check's default is 40 s
 def test_cudagraph_trees_count_a_steady_loop_and_a_new_shape():
     """A training loop under ``reduce-overhead`` records its forward and backward once and then replays
     them: the recorded count stays put over more steps. A new input shape (static shapes) compiles two

@@ -119,10 +119,10 @@ def keeps_padded_ranks(t: Tensor) -> bool:
     """Whether a pruned group's factors keep the group's padded middle rank (``layers.group``): off the
     CPU, and under ``static_shapes()``. A padded rank of ``L`` is a zero column and of ``R`` a zero row, so
     ``(x L) R`` is the same, at more FLOPs in the two token GEMMs. A GPU step at these sizes is bound by
-    its launches, and the padded form saves one: the cut slices' backward (a zero fill and a copy each,
-    two per layer and step) is gone, and Q, K and V keep one shape, so their output side stays one
-    batched GEMM (``contract.tt_linear_lr_shared``) after a prune. The CPU eager step is bound by FLOPs
-    and cuts each layer back to its own rank."""
+    its launches, and the padded form launches fewer kernels: the cut slices' backward (a zero fill and a
+    copy each, two per layer and step) is gone, and Q, K and V keep one shape, so their output side stays
+    one batched GEMM (``contract.tt_linear_lr_shared``) after a prune. The CPU eager step is bound by
+    FLOPs and cuts each layer back to its own rank. Not timed on a GPU."""
     return t.device.type != "cpu" or _static
 
 

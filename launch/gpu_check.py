@@ -134,16 +134,22 @@ def summary(outdir: str) -> int:
                      "status": "pass" if rc == "0" else ("timeout" if rc in ("124", "137") else "FAIL")})
     env = json.loads((out / "env.json").read_text()) if (out / "env.json").exists() else {}
     ok = all(r["rc"] == 0 for r in rows)
-    figures = {name: json.loads((out / f"{name}.json").read_text()).get("metrics", {})
+    results = {name: json.loads((out / f"{name}.json").read_text())
                for name in HEADLINE_FILES if (out / f"{name}.json").exists()}
+    figures = {name: r.get("metrics", {}) for name, r in results.items()}
+    # whether a compiled trainer's CUDA graphs replayed as recorded (bench.compile_stats; null off CUDA)
+    trees = {name: t for name, r in results.items()
+             if (t := (r.get("config") or {}).get("cudagraph_trees")) and any(t.values())}
     result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows),
-              "metrics": figures}
+              "metrics": figures, "cudagraph_trees": trees}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
         print(f"  {r['status']:8s} {r['seconds']:7.1f} s  {r['step']:28s} {r['log']}")
     for name, metrics in figures.items():  # the measured figures, e.g. trainer and bench step rates side by side
         print(f"  {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+    for name, per_phase in trees.items():
+        print(f"  {name} cudagraph_trees: " + json.dumps(per_phase))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -89,8 +91,6 @@ def _wheel(path: Path, name: str, version: str) -> None:
 
 
 def test_gpu_check_installs_only_missing_wheels_offline(tmp_path):
-    import sys
-
     wheels, site = tmp_path / "whl", tmp_path / "site"
     wheels.mkdir()
     _wheel(wheels, "comera_probe", "1.0")
@@ -105,9 +105,6 @@ def test_gpu_check_installs_only_missing_wheels_offline(tmp_path):
 
 
 def test_gpu_check_resume_comparison_fails_on_a_diverging_run(tmp_path):
-    import json
-    import sys
-
     def log(path, losses, extra=""):
         path.write_text(extra + "".join(f"x INFO step {s}/4 train_loss {v} stage 1\n" for s, v in losses.items()))
 
@@ -124,3 +121,21 @@ def test_gpu_check_resume_comparison_fails_on_a_diverging_run(tmp_path):
     assert r.returncode == 1 and "step 4" in r.stderr
     log(b, {3: 5.8, 4: 5.7})  # never resumed: a fresh run that happens to match is not a resume
     assert subprocess.run(cmd, cwd=REPO, capture_output=True, check=False).returncode == 1
+
+
+def test_gpu_check_summary_reports_the_cudagraph_trees(tmp_path):
+    """A compiled trainer-rate JSON's CUDA-graph tree counts (``bench.compile_stats``) reach
+    ``summary.json`` and the printed summary; runs off CUDA (both phases null) are left out."""
+    (tmp_path / "results.tsv").write_text("trainer-rate\t0\t1.0\tlogs/a.log\ntrainer-rate-graphs\t0\t2.0\tlogs/b.log\n")
+    counts = {"functions": 3, "recorded_graphs": 9, "rerecords": 0, "new_recordings": 6,
+              "warmed_up_functions": 3, "stuck_warming_up": 1}
+    for name, trees in (("trainer-rate", {"trainer": None, "session": None}),
+                        ("trainer-rate-graphs", {"trainer": counts, "session": None})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"metrics": {"trainer_tokens_per_s": 1.0},
+                                                           "config": {"cudagraph_trees": trees}}))
+    r = subprocess.run([sys.executable, "launch/gpu_check.py", "summary", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cudagraph_trees"] == {"trainer-rate-graphs": {"trainer": counts, "session": None}}
+    assert '"recorded_graphs": 9' in r.stdout and "trainer-rate-graphs cudagraph_trees" in r.stdout

@@ -4,13 +4,40 @@ and the state of inductor's CUDA-graph trees (``mode="reduce-overhead"``).
 A compiled step can silently stop replaying its graphs: a re-recording at every step, a tree stuck
 warming up (run eagerly in the graph pool) because each step's forward starts while a backward is
 pending, or a graph skipped for an input mutation. Each costs a step's worth of launches or more and
-shows only in a debug log. These numbers make it part of the result."""
+shows only in a debug log. These numbers make it part of the result, with the host work left around
+the graphs (``host_ops``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+COMPILED_REGIONS = ("CompiledFunction", "CompiledFxGraph")
+"""Profiler events of a compiled graph's forward and backward: ops under them ran in the graph."""
+
+
+def host_ops(step: Callable[[], Any]) -> int:
+    """Top-level aten ops one ``step`` dispatches outside compiled graphs, by ``torch.profiler`` (a dispatch
+    mode would make Dynamo fall back to eager, so ``trainer_rate.aten_ops`` cannot count a compiled step). Top-level:
+    not inside another aten op, so ``to`` counts once, not with its ``_to_copy``. Eager and compiled
+    steps count the same way: for ``train.compile`` the host work left around the graphs (DeepSpeed's
+    step, the session's objective and reads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent, counted = event.cpu_parent, True
+        while parent is not None and counted:
+            counted = not (parent.name.startswith("aten::") or any(r in parent.name for r in COMPILED_REGIONS))
+            parent = parent.cpu_parent
+        count += counted
+    return count
 
 
 def compile_counters() -> dict[str, dict[str, int]]:

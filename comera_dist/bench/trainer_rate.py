@@ -48,7 +48,7 @@ and ``trainer_loop_tokens_per_s``.
    objective, all-reduces and host reads; session -> trainer is the data loader, metrics and logging.
    ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step.
    ``host_ops_per_step_session``: the session step's top-level aten ops outside compiled graphs
-   (``host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
+   (``compile_stats.host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
    ``config["compile_counters"]`` (compiled runs) and ``config["cudagraph_trees"]`` (CUDA): what Dynamo
    and inductor counted, and the CUDA-graph tree's recordings, re-recordings and eager warm-ups, for the
    trainer (read when it ends) and the session step (``bench.compile_stats``).
@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 
 from comera_dist.bench.common import base_parser, single_rank_env, write_result
-from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees
+from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, host_ops
 from comera_dist.bench.six_encoder import time_steps, top_ops
 
 CONFIG = "configs/six-encoder-mlm.yaml"
@@ -128,32 +128,6 @@ def aten_ops(step: Callable[[], Any]) -> int:
     from comera_dist.bench.ops import count_step
 
     return sum(count_step(step, warmup=0).ops.values())
-
-
-COMPILED_REGIONS = ("CompiledFunction", "CompiledFxGraph")
-"""Profiler events of a compiled graph's forward and backward: ops under them ran in the graph."""
-
-
-def host_ops(step: Callable[[], Any]) -> int:
-    """Top-level aten ops one ``step`` dispatches outside compiled graphs, by ``torch.profiler`` (a dispatch
-    mode would make Dynamo fall back to eager, so ``aten_ops`` cannot count a compiled step). Top-level:
-    not inside another aten op, so ``to`` counts once, not with its ``_to_copy``. Eager and compiled
-    steps count the same way: for ``train.compile`` the host work left around the graphs (DeepSpeed's
-    step, the session's objective and reads)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    count = 0
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        parent, counted = event.cpu_parent, True
-        while parent is not None and counted:
-            counted = not (parent.name.startswith("aten::") or any(r in parent.name for r in COMPILED_REGIONS))
-            parent = parent.cpu_parent
-        count += counted
-    return count
 
 
 def bare_contender(cfg, device: torch.device, *, capturable: bool = False):

@@ -89,7 +89,7 @@ class Packing:
         self.model = model
         self.packs = packs
         self.layout = layout
-        self._resting: dict[str, tuple[tuple, list[Tensor]]] = {}  # pack name -> (where its flat was, views)
+        self._resting: dict[str, list[Tensor]] = {}  # pack name -> its pieces' resting views
 
     def flat(self, pack: Pack) -> nn.Parameter:
         """The model's parameter ``pack.name``, looked up each time (``Module._apply`` may replace it)."""
@@ -121,23 +121,20 @@ class Packing:
         existed before the call is only put back. Eager, the views are made again when the flat
         parameter moved (``Module._apply``, DeepSpeed's re-viewing): the cached views keep the old
         storage alive, so a new one cannot take its address. Inside a traced forward, where addresses
-        cannot be read, when its dtype, device or size changed."""
-        flat = self.flat(pack)
-        cached = self._resting.get(pack.name)
-        if torch.compiler.is_compiling():
-            if cached is not None and cached[0][2:] == (flat.dtype, flat.device, flat.numel()):
-                return cached[1]
-            return self.views(pack, detached=True)
-        if cached is None or cached[0] != _where(flat):
-            cached = self._resting[pack.name] = (_where(flat), self.views(pack, detached=True))
-        return cached[1]
+        cannot be read, when its dtype or device changed."""
+        views = self._resting.get(pack.name)
+        if views is None or not _views_of(views, self.flat(pack), traced=torch.compiler.is_compiling()):
+            views = self.views(pack, detached=True)
+            if not torch.compiler.is_compiling():
+                self._resting[pack.name] = views
+        return views
 
     def refresh(self) -> None:
         """Eager: give the owners of every pack whose flat parameter moved since its resting views were
-        made new ones (a compiled forward cannot see such a move when dtype, device and size stayed)."""
+        made new ones (a compiled forward cannot see such a move when dtype and device stayed)."""
         for pack in self.packs:
-            cached = self._resting.get(pack.name)
-            if cached is None or cached[0] != _where(self.flat(pack)):
+            views = self._resting.get(pack.name)
+            if views is None or not _views_of(views, self.flat(pack), traced=False):
                 self.install(detached=True, roles=(pack.role,))
 
     def roles(self) -> dict[int, str]:
@@ -150,9 +147,15 @@ class Packing:
                                       for p in self.packs) + ")"
 
 
-def _where(flat: Tensor) -> tuple:
-    """Where ``flat``'s values live: storage address and offset, dtype, device, size."""
-    return flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.dtype, flat.device, flat.numel()
+def _views_of(views: list[Tensor], flat: Tensor, *, traced: bool) -> bool:
+    """Whether ``views`` (a pack's, end to end from its first element) still show ``flat``: the same
+    dtype and device, and (not ``traced``: addresses cannot be read in a graph) the same storage and
+    offset."""
+    first = views[0]
+    if first.dtype != flat.dtype or first.device != flat.device:
+        return False
+    return traced or (first.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                      and first.storage_offset() == flat.storage_offset())
 
 
 def packed_of(model: nn.Module) -> Packing | None:

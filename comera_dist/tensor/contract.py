@@ -33,8 +33,9 @@ def tt_linear_lr_shared(x: Tensor, Ls: list[Tensor], Rs: list[Tensor],
     have one of each per layer and the sum of the x gradients. x: (T, N_in); L_i: (N_in, r_i); R_i:
     (r_i, N_out_i). Returns the (T, N_out_i).
 
-    When the layers have one shape (every ``R_i`` the same shape, so equal ranks: before the first
-    prune) and all or none have a bias, the output side is one batched GEMM too,
+    When the layers have one shape (every ``R_i`` the same shape: equal ranks before the first prune,
+    and after it on the GPU path, where a group's factors keep its padded rank:
+    ``kernels.dispatch.keeps_padded_ranks``) and all or none have a bias, the output side is one batched GEMM too,
     ``[h_1 .. h_n] [R_1 .. R_n] + b`` (``baddbmm``): 3 GEMMs become 1 in the forward, and 6 become 2 in
     the backward with one sum for the biases."""
     h = x @ torch.cat(Ls, dim=1)  # (T, sum r_i)

@@ -73,6 +73,7 @@ def test_packed_model_computes_and_trains_like_the_plain_one():
     assert {p.role: [piece.names[0] for piece in p.pieces] for p in packing.packs} == want
     assert len(want["cores"]) == len(list(tensorized_modules(plain))) and len(want["dense"]) > 10
     assert packed_roles(packed_model) == ["cores", "dense", "gates"]
+    assert packing_layout(packed_model) == 2 and packing_layout(plain) == 0  # what a checkpoint's meta records
     assert any(p.dim() == 2 for n, p in plain.named_parameters() if n in want["dense"])  # tables, matrices
     packed = sum(len(v) for v in want.values())
     assert len(list(packed_model.parameters())) == len(list(plain.parameters())) - packed + 3 == 3
@@ -158,7 +159,7 @@ def test_a_compiled_forward_leaves_nothing_to_rebuild():
     """A compiled forward sets the owners' attributes back to the resting views, which existed before the
     call: no host op after the graph. Made inside the call, each would be rebuilt there (a ``detach`` and a
     ``split`` per piece, every forward). ``refresh`` picks up a move a traced forward cannot see."""
-    from comera_dist.bench.trainer_rate import host_ops
+    from comera_dist.bench.compile_stats import host_ops
 
     model = _model()
     packing = pack_vectors(model)
@@ -322,6 +323,3 @@ def test_a_checkpoints_packing_is_read_with_its_layout(meta, want):
     from comera_dist.engine.resume import _saved_packing
 
     assert _saved_packing(meta) == want
-    model = _model()
-    pack_vectors(model)
-    assert (packed_roles(model), packing_layout(model)) == (["cores", "dense", "gates"], 2)

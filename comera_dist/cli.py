@@ -100,10 +100,13 @@ def pretrain(args: argparse.Namespace) -> int:
         summary = run_summary(cfg, world_size=world_size)
         print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
         return 0
+    from comera_dist.engine.distributed import leave_distributed
     from comera_dist.engine.trainer import train
 
     cfg = load_run_config(args.config, overrides)  # the world size is checked once ranks are known
-    return train(cfg, resume=cfg.train.resume)
+    status = train(cfg, resume=cfg.train.resume)  # every rank returns together (its closing barrier)
+    leave_distributed()
+    return status
 
 
 def evaluate(args: argparse.Namespace) -> int:

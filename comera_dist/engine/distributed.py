@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import deepspeed
 import deepspeed.comm as dist
+import torch.distributed
 from deepspeed.accelerator import get_accelerator
 
 LOOPBACK = "127.0.0.1"
@@ -121,3 +122,16 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ["LOCAL_RANK"]), source=source)
+
+
+def leave_distributed() -> None:
+    """Destroy the process group, once every rank has returned from its work together.
+
+    Left to interpreter exit, the backend's threads are torn down in no set order: NCCL warns that
+    ``destroy_process_group()`` was not called, and gloo's threads have aborted a finished process
+    (-6, "terminate called without an active exception"), which a launcher reports as a failed job.
+    Call it only on the way out of a clean return: after a failed collective, NCCL's destroy can block
+    on the dead peer.
+    """
+    if dist.is_initialized():
+        torch.distributed.destroy_process_group()

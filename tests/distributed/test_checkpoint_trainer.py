@@ -1,5 +1,6 @@
-"""Checkpoints through the real training job (``engine.trainer.train``) on real ranks: the non-finite
-stop, and a 2-rank run resumed on 1 rank at another ZeRO stage.
+"""Checkpoints through the real training job on real ranks: the non-finite stop (``engine.trainer.train``),
+and a 2-rank run resumed on 1 rank at another ZeRO stage (``comera pretrain``'s entry point, which also
+leaves the process group once the job is done).
 
 Non-finite stop:
 
@@ -83,19 +84,24 @@ def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path)
 
 
 def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int) -> dict:
+    """The job as users start it: ``comera pretrain`` (``cli.pretrain_main``) on this rank."""
     os.environ.update(COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false", COMERA_FAULT_NONFINITE_STEPS="")
-    from comera_dist.config import load_run_config
-    from comera_dist.engine.trainer import train
+    import torch.distributed
+
+    from comera_dist.cli import pretrain_main
 
     records = LogLines(logging.INFO)
     for name in ("comera_dist.engine.session", "comera_dist.engine.resume", "comera_dist.engine.trainer"):
         logging.getLogger(name).addHandler(records)
-    cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
+    overrides = [
         f"train.output_dir={outdir}", f"train.steps={steps}", "train.checkpoint_every=3", "train.eval_every=0",
         f"deepspeed.zero_stage={stage}", "deepspeed.train_batch_size=8", "deepspeed.micro_batch_size_per_gpu=4",
-        "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false"])
-    return {"status": train(cfg, resume="auto"), "log": records.lines}
+        "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false"]
+    argv = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--resume", "auto"]
+    status = pretrain_main(argv + [a for o in overrides for a in ("--set", o)])
+    # a finished job leaves its process group itself, not to interpreter exit (engine.distributed.leave_distributed)
+    return {"status": status, "log": records.lines, "group_left": not torch.distributed.is_initialized()}
 
 
 def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
@@ -103,8 +109,9 @@ def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
     out = tmp_path / "run"
     first = run_ranks(_resume_job, tmp_path / "w1", str(out), 3, 1)
     assert [r["status"] for r in first] == [0, 0]
+    assert all(r["group_left"] for r in first)
     [again] = run_ranks(_resume_job, tmp_path / "w2", str(out), 6, 3, world_size=1)
-    assert again["status"] == 0, again["log"][-10:]
+    assert again["status"] == 0 and again["group_left"], again["log"][-10:]
     log = again["log"]
     assert any("elastic resume from" in line and "2 rank(s) at ZeRO 1 -> 1 rank(s) at ZeRO 3" in line
                for line in log), log

@@ -5,7 +5,8 @@ A compiled step can silently stop replaying its graphs: a re-recording at every 
 warming up (run eagerly in the graph pool) because each step's forward starts while a backward is
 pending, or a graph skipped for an input mutation. Each costs a step's worth of launches or more and
 shows only in a debug log. These numbers make it part of the result, with the host work left around
-the graphs (``host_ops``)."""
+the graphs (``host_ops``) and, on the CPU, the kernels the graphs launch (``graph_kernels``, for
+``bench ops --compiled``)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,53 @@ def cudagraph_trees(device: torch.device) -> dict[str, Any] | None:
                 "stuck_warming_up": len(manager.warned_functions)}
     except (AttributeError, TypeError) as e:  # private API: report what changed rather than fail the run
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+GRAPH_CALL = "## Call CompiledFxGraph"
+"""The profiler's record of one call of an inductor graph: its children are the graph's kernels."""
+
+
+def kernel_profile() -> Any:
+    """Context for compiling on the CPU so that ``graph_kernels`` sees the generated kernels: inductor's
+    C++ kernels then open a profiler record each (``cpp.enable_kernel_profile``). A graph compiles on
+    its first call, so the first steps must run inside it."""
+    import torch._inductor.config as inductor
+
+    return inductor.patch({"cpp.enable_kernel_profile": True})
+
+
+def graph_kernels(step: Callable[[], Any]) -> dict[str, Any]:
+    """The kernels that the inductor graphs of one ``step`` launch (on a GPU each is one launch, and
+    inside a CUDA graph each costs about the same whatever its size): ``generated`` (inductor's fused
+    kernels) and ``extern`` (the library kernels a graph calls: GEMMs, attention ...), each split by the
+    forward (``CompiledFunction``) and backward graphs, with ``externs`` by aten name. Ops outside the
+    graphs (an optimizer step) are not counted: ``host_ops`` counts those.
+
+    CPU only: the graphs must be compiled under ``kernel_profile()``. Raises when the step called no
+    graph, or its graphs' kernels were not recorded (compiled without ``kernel_profile``), rather than
+    report a count of zero."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts = {"generated": {"forward": 0, "backward": 0}, "extern": {"forward": 0, "backward": 0}}
+    externs: dict[str, int] = {}
+    calls = 0
+    for event in prof.events():
+        calls += event.name.startswith(GRAPH_CALL)
+        parent = event.cpu_parent
+        if parent is None or not parent.name.startswith(GRAPH_CALL):
+            continue
+        grand = parent.cpu_parent
+        side = "backward" if grand is not None and "Backward" in grand.name else "forward"
+        kind = "generated" if "cpp_fused" in event.name else "extern"
+        counts[kind][side] += 1
+        if kind == "extern":
+            externs[event.name] = externs.get(event.name, 0) + 1
+    if calls == 0:
+        raise RuntimeError("graph_kernels: the step called no inductor graph (is it compiled with inductor?)")
+    if sum(counts["generated"].values()) == 0:
+        raise RuntimeError("graph_kernels: no generated kernel was recorded; compile the step's graphs "
+                           "inside compile_stats.kernel_profile()")
+    total = sum(n for sides in counts.values() for n in sides.values())
+    return {"kernels": total, "graph_calls": calls, **counts, "externs": dict(sorted(externs.items()))}

@@ -35,6 +35,14 @@ A third contender, ``comera_pruned`` (``static`` only), is CoMERA after a physic
 every layer its own ranks (``ragged_prune``), as training leaves them: its count shows whether the
 batched contraction of same-shape layers survives pruning.
 
+``--compiled`` also counts what the GPU's fastest bf16 mode launches: the loss compiled by inductor
+(``measure_compiled``), whose forward and backward graphs fuse the element-wise work into generated
+kernels and call library kernels (GEMMs) for the rest. ``graph_kernels_per_step_{dense,comera}_compiled_bf16``
+count both kinds (``compile_stats.graph_kernels``; the optimizer step outside the graphs is not
+counted). The fusion is the CPU's C++ backend's, a proxy for the Triton backend's on a GPU: one
+scheduler decides both, each backend with its own rules, and a GPU runs attention as one flash kernel,
+not as its GEMMs.
+
 CPU targets (issue 11): ``ops_ratio_comera_over_dense <= 2`` and ``syncs_per_step_comera <=
 syncs_per_step_dense``.
 """
@@ -52,8 +60,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
 from comera_dist.bench.prune_payoff import kill_ranks
 from comera_dist.bench.six_encoder import Contender, make_contender, random_batch
+from comera_dist.bench.six_encoder_device import compile_loss
 from comera_dist.compression.pruning import apply_plan, make_plan
 from comera_dist.kernels import dispatch
 
@@ -142,6 +152,27 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
             "top_ops": dict(counter.ops.most_common(12))}
 
 
+def measure_compiled(name: str, *, smoke: bool, batch_size: int) -> dict[str, Any]:
+    """Kernels per step of ``name``'s bf16 loss compiled by inductor (``fullgraph=True``, as ``bench
+    six-encoder --modes compiled`` runs it), on the GPU path (``static_shapes``, one thread):
+    ``compile_stats.graph_kernels`` of one step after two warm-up steps (the compilation)."""
+    c = make_contender(name, smoke=smoke)
+    c.autocast = torch.bfloat16
+    batch = random_batch(c.model, batch_size, smoke=smoke)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with dispatch.static_shapes(), kernel_profile():
+            compile_loss(c, "inductor")
+            for _ in range(2):  # the first step compiles
+                c.train_step(batch)
+            result = graph_kernels(lambda: c.train_step(batch))
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    return result
+
+
 def _env_prefix() -> str:
     """``OMP_NUM_THREADS=N `` when the run had it set (it decides the ``cpu_eager`` thread count)."""
     n = os.environ.get("OMP_NUM_THREADS")
@@ -151,6 +182,9 @@ def _env_prefix() -> str:
 def main(argv: list[str]) -> int:
     p = base_parser("ops", "aten ops and host syncs per six-encoder training step, dense vs CoMERA")
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also count the kernels of the bf16 step compiled by inductor, dense and CoMERA "
+                        "(two compilations: about 100 s at full size on 2 cores)")
     args = p.parse_args(argv)
     batch = args.batch_size or 2  # op counts do not depend on the batch size
     rows = [measure(n, smoke=args.smoke, batch_size=batch, policy=pol)
@@ -173,6 +207,12 @@ def main(argv: list[str]) -> int:
     metrics |= {"ops_per_step_comera_pruned": pruned["ops"], "syncs_per_step_comera_pruned": pruned["syncs"],
                 "kernel_ops_per_step_comera_pruned": pruned["kernel_ops"],
                 "ops_ratio_comera_pruned_over_dense": pruned["ops"] / by["dense", "static", "fp32"]["ops"]}
+    compiled: dict[str, dict[str, Any]] = {}
+    if args.compiled:
+        compiled = {n: measure_compiled(n, smoke=args.smoke, batch_size=batch) for n in ("dense", "comera")}
+        metrics |= {f"graph_kernels_per_step_{n}_compiled_bf16": compiled[n]["kernels"] for n in compiled}
+        metrics["graph_kernels_ratio_comera_over_dense_compiled_bf16"] = (
+            compiled["comera"]["kernels"] / compiled["dense"]["kernels"])
     met = {"ops_ratio_comera_over_dense": metrics["ops_ratio_comera_over_dense"] <= 2,
            "syncs_comera_le_dense": metrics["syncs_per_step_comera"] <= metrics["syncs_per_step_dense"]}
     config = {"smoke": args.smoke, "batch_size": batch, "warmup_steps": 2,
@@ -181,7 +221,7 @@ def main(argv: list[str]) -> int:
               "sync_ops": sorted(SYNC_OPS) + ["aten.repeat_interleave.Tensor without output_size",
                                               "aten.index/index_put with a bool mask"],
               "target": {"ops_ratio_comera_over_dense": 2.0, "syncs_per_step_comera": "<= syncs_per_step_dense"},
-              "targets_met": met,
+              "targets_met": met, "compiled_bf16": compiled,
               "top_ops": {f"{r['contender']}/{r['policy']}/{r['precision']}": r["top_ops"] for r in rows},
               "bench_command": _env_prefix() + "python -m comera_dist.bench ops " + shlex.join(argv)}
     table = [{k: v for k, v in r.items() if k not in ("top_ops", "sync_ops")} |

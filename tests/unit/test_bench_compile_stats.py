@@ -1,13 +1,13 @@
 """``bench.compile_stats``: the counts ``bench trainer-rate`` writes for a compiled run.
 
 The CUDA-graph tree counts need a CUDA GPU (``launch/gpu_check.sh`` runs this file); off CUDA they
-are None, and Dynamo's counters are read everywhere."""
+are None, and Dynamo's counters and the inductor graphs' kernels are read on the CPU."""
 
 import pytest
 import torch
 from torch import nn
 
-from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees
+from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, graph_kernels, kernel_profile
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA-graph trees)")
 
@@ -24,6 +24,34 @@ def test_dynamo_counts_a_graph_break():
     torch.compile(broken, backend="eager")(torch.ones(3))
     assert sum(compile_counters()["graph_break"].values()) == before + 1
     assert cudagraph_trees(torch.device("cpu")) is None
+
+
+def test_graph_kernels_counts_each_graphs_kernels_by_kind():
+    torch.compiler.reset()
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+
+    def loss(x, w):
+        return (torch.nn.functional.gelu(x @ w) * 2).sum()
+
+    compiled = torch.compile(loss, backend="inductor", fullgraph=True)
+    with kernel_profile():
+        compiled(x, w).backward()  # compiles the forward and backward graphs with their kernels recorded
+        got = graph_kernels(lambda: compiled(x, w).backward())
+    assert got["graph_calls"] == 2  # one forward graph, one backward graph
+    assert got["externs"].get("aten::mm", 0) >= 2, got  # x @ w, and the backward's x^T @ grad
+    assert got["extern"]["forward"] >= 1 and got["extern"]["backward"] >= 1, got
+    assert got["generated"]["forward"] >= 1 and got["generated"]["backward"] >= 1, got  # GELU and its backward
+    assert got["kernels"] == sum(got["extern"].values()) + sum(got["generated"].values())
+
+    torch.compiler.reset()
+    plain = torch.compile(loss, backend="inductor", fullgraph=True)
+    plain(x, w).backward()  # compiled without kernel_profile: its kernels leave no record
+    with pytest.raises(RuntimeError, match="kernel_profile"):
+        graph_kernels(lambda: plain(x, w).backward())
+    with pytest.raises(RuntimeError, match="no inductor graph"):
+        graph_kernels(lambda: loss(x, w).backward())
+    torch.compiler.reset()
 
 
 @needs_cuda

@@ -25,7 +25,7 @@ def test_counter_sees_syncs_and_data_dependent_shapes():
 
 def test_ops_smoke_static_step_has_no_sync(tmp_path):
     out = tmp_path / "ops.json"
-    assert ops.main(["--smoke", "--json", str(out)]) == 0
+    assert ops.main(["--smoke", "--compiled", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     m = r["metrics"]
     assert {"ops_per_step_comera", "syncs_per_step_comera", "ops_ratio_comera_over_dense", "ops_per_step_dense",
@@ -51,6 +51,14 @@ def test_ops_smoke_static_step_has_no_sync(tmp_path):
         assert "aten._to_copy" in r["config"]["top_ops"][f"{c}/static/bf16"]
         assert m[f"kernel_ops_per_step_{c}_bf16"] == bf16["kernel_ops"]
     assert m["ops_ratio_comera_pruned_over_dense"] == m["ops_per_step_comera_pruned"] / m["ops_per_step_dense"]
+    # --compiled: the bf16 loss through inductor is one forward and one backward graph, and its fusion
+    # launches fewer kernels than the eager bf16 step's kernel ops (which also hold the optimizer's)
+    for c in ("dense", "comera"):
+        got = r["config"]["compiled_bf16"][c]
+        assert got["graph_calls"] == 2 and got["generated"]["forward"] > 0, (c, got)
+        assert 0 < m[f"graph_kernels_per_step_{c}_compiled_bf16"] == got["kernels"] < by[c, "static", "bf16"]["kernel_ops"]
+    assert m["graph_kernels_ratio_comera_over_dense_compiled_bf16"] == (
+        m["graph_kernels_per_step_comera_compiled_bf16"] / m["graph_kernels_per_step_dense_compiled_bf16"])
 
 
 def test_six_encoder_device_path_on_cpu(tmp_path):

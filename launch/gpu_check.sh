@@ -13,7 +13,8 @@
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
 # six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
-# contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor, captured and not (-compiled);
+# contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor and captured (-compiled; its rows
+# also count the kernels the compiled graphs launch, graph_kernels, beside bench ops --compiled's CPU proxy);
 # bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml, 1 GPU, ZeRO 1, against the bare
 # CoMERA step of the same model and batch), eager, then with every parameter its own tensor
 # (-unpacked: deepspeed.pack_vectors=false), in bf16 without DeepSpeed's per-gradient overflow check

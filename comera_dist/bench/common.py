@@ -59,11 +59,11 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 2, reps: int = 5) -> dict[st
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """A plain aligned table of ``rows`` (all rows share the first row's keys)."""
+    """A plain aligned table of ``rows`` (a column for every key of any row, in the order first seen)."""
     if not rows:
         return
-    cols = list(rows[0])
-    fmt = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # some rows carry more (an error, counts)
+    fmt = [[_fmt(r.get(c, "-")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in fmt)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for row in fmt:

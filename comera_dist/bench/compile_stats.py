@@ -112,13 +112,14 @@ def kernel_profile() -> Any:
 def graph_kernels(step: Callable[[], Any]) -> dict[str, Any]:
     """The kernels that the inductor graphs of one ``step`` launch (on a GPU each is one launch, and
     inside a CUDA graph each costs about the same whatever its size): ``generated`` (inductor's fused
-    kernels) and ``extern`` (the library kernels a graph calls: GEMMs, attention ...), each split by the
-    forward (``CompiledFunction``) and backward graphs, with ``externs`` by aten name. Ops outside the
-    graphs (an optimizer step) are not counted: ``host_ops`` counts those.
+    kernels: C++ ``cpp_fused_*`` on the CPU, ``triton_*`` on a GPU) and ``extern`` (the library kernels a
+    graph calls: GEMMs, attention ...), each split by the forward (``CompiledFunction``) and backward
+    graphs, with ``externs`` by aten name. Ops outside the graphs (an optimizer step) are not counted:
+    ``host_ops`` counts those. A graph replayed from a CUDA graph (``reduce-overhead``) has no kernels
+    to see: count a compiled step without CUDA graphs.
 
-    CPU only: the graphs must be compiled under ``kernel_profile()``. Raises when the step called no
-    graph, or its graphs' kernels were not recorded (compiled without ``kernel_profile``), rather than
-    report a count of zero."""
+    On the CPU the graphs must be compiled under ``kernel_profile()``. Raises when the step called no
+    graph, or its graphs' kernels were not recorded, rather than report a count of zero."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -133,14 +134,14 @@ def graph_kernels(step: Callable[[], Any]) -> dict[str, Any]:
             continue
         grand = parent.cpu_parent
         side = "backward" if grand is not None and "Backward" in grand.name else "forward"
-        kind = "generated" if "cpp_fused" in event.name else "extern"
+        kind = "generated" if "cpp_fused" in event.name or event.name.startswith("triton_") else "extern"
         counts[kind][side] += 1
         if kind == "extern":
             externs[event.name] = externs.get(event.name, 0) + 1
     if calls == 0:
         raise RuntimeError("graph_kernels: the step called no inductor graph (is it compiled with inductor?)")
     if sum(counts["generated"].values()) == 0:
-        raise RuntimeError("graph_kernels: no generated kernel was recorded; compile the step's graphs "
-                           "inside compile_stats.kernel_profile()")
+        raise RuntimeError("graph_kernels: no generated kernel was recorded (on the CPU, compile the step's "
+                           "graphs inside compile_stats.kernel_profile())")
     total = sum(n for sides in counts.values() for n in sides.values())
     return {"kernels": total, "graph_calls": calls, **counts, "externs": dict(sorted(externs.items()))}

@@ -25,6 +25,7 @@ and the mode drops out of the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from comera_dist.bench.common import write_result
+from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.bench.six_encoder import (
     ADAMW,
@@ -169,12 +171,10 @@ def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[s
     return out
 
 
-def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
-    """Every contender, mode, dtype and batch size on ``device`` (GaLore at the smallest batch only,
-    where the paper compares it); one JSON result with the rows and ``metrics_of`` them."""
-    load_start = os.getloadavg()
+def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tuple[str, ...] | None,
+          counting: bool) -> list[dict[str, Any]]:
+    """``run_device``'s measured rows, one per contender, mode, dtype and batch size."""
     b_lo = min(sizes)
-    wanted = tuple(args.modes) if args.modes else None
     rows: list[dict[str, Any]] = []
     for dtype_name in args.dtypes or DEVICE_DTYPES:
         autocast = DEVICE_DTYPES[dtype_name]
@@ -189,6 +189,8 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
                     batch = random_batch(c.model, b, smoke=args.smoke)
                     row: dict[str, Any] = {"contender": name, "mode": mode, "dtype": dtype_name, "batch": b,
                                            "params": sum(q.numel() for q in c.model.parameters())}
+                    if counting and mode.startswith("compiled"):
+                        row |= _kernels_row(c, batch)
                     try:
                         m = measure(c, mode, batch, steps)
                     except RuntimeError as e:  # a failed capture is a result: recorded, not fatal
@@ -203,6 +205,32 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
                 gc.collect()  # module reference cycles would keep the last contender's tensors
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    return rows
+
+
+def _kernels_row(c: Contender, batch: dict[str, Tensor]) -> dict[str, Any]:
+    """``graph_kernels`` (generated, extern) of a compiled step, or why they could not be counted: one
+    step to compile (outside the profiler), then the counted one, both eager (a CUDA graph's replay would
+    hide its kernels), before ``measure`` warms up and times its own."""
+    try:
+        c.train_step(batch)
+        k = graph_kernels(lambda: c.train_step(batch))
+    except RuntimeError as e:  # a count that cannot be made is recorded, not fatal to the timings
+        return {"graph_kernels_error": str(e)[:200]}
+    return {"graph_kernels": k["kernels"], "generated_kernels": sum(k["generated"].values()),
+            "extern_kernels": sum(k["extern"].values())}
+
+
+def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
+    """Every contender, mode, dtype and batch size on ``device`` (GaLore at the smallest batch only,
+    where the paper compares it); one JSON result with the rows and ``metrics_of`` them."""
+    load_start = os.getloadavg()
+    wanted = tuple(args.modes) if args.modes else None
+    # inductor's compiled rows also count their graphs' kernels (on the CPU its C++ kernels must be
+    # compiled to record themselves)
+    counting = args.compile_backend == "inductor" and any(m.startswith("compiled") for m in wanted or ())
+    with kernel_profile() if counting else contextlib.nullcontext():
+        rows = _rows(args, device, steps, sizes, wanted, counting)
     dev = device.type
     config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
               "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,

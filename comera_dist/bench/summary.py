@@ -58,9 +58,9 @@ def _fmt(v: Any) -> str:
 def md_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # some rows carry more (an error, counts)
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(_fmt(r.get(c, "-")) for c in cols) + " |" for r in rows]
     return out
 
 

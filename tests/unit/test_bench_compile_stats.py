@@ -1,7 +1,9 @@
-"""``bench.compile_stats``: the counts ``bench trainer-rate`` writes for a compiled run.
+"""``bench.compile_stats``: the counts ``bench trainer-rate``, ``bench ops --compiled`` and ``bench
+six-encoder --modes compiled`` write for a compiled step.
 
-The CUDA-graph tree counts need a CUDA GPU (``launch/gpu_check.sh`` runs this file); off CUDA they
-are None, and Dynamo's counters and the inductor graphs' kernels are read on the CPU."""
+The CUDA-graph tree counts and the graph kernels' CUDA case need a CUDA GPU (``launch/gpu_check.sh``
+runs this file); off CUDA the trees are None, and Dynamo's counters and the inductor graphs' kernels
+are read on the CPU."""
 
 import pytest
 import torch
@@ -26,32 +28,42 @@ def test_dynamo_counts_a_graph_break():
     assert cudagraph_trees(torch.device("cpu")) is None
 
 
-def test_graph_kernels_counts_each_graphs_kernels_by_kind():
+def _gelu_loss(x, w):
+    return (torch.nn.functional.gelu(x @ w) * 2).sum()
+
+
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_graph_kernels_counts_each_graphs_kernels_by_kind(device):
     torch.compiler.reset()
-    w = torch.randn(16, 16, requires_grad=True)
-    x = torch.randn(4, 16)
-
-    def loss(x, w):
-        return (torch.nn.functional.gelu(x @ w) * 2).sum()
-
-    compiled = torch.compile(loss, backend="inductor", fullgraph=True)
+    w = torch.randn(16, 16, device=device, requires_grad=True)
+    x = torch.randn(4, 16, device=device)
+    compiled = torch.compile(_gelu_loss, backend="inductor", fullgraph=True)
     with kernel_profile():
         compiled(x, w).backward()  # compiles the forward and backward graphs with their kernels recorded
         got = graph_kernels(lambda: compiled(x, w).backward())
+    torch.compiler.reset()
     assert got["graph_calls"] == 2  # one forward graph, one backward graph
     assert got["externs"].get("aten::mm", 0) >= 2, got  # x @ w, and the backward's x^T @ grad
     assert got["extern"]["forward"] >= 1 and got["extern"]["backward"] >= 1, got
     assert got["generated"]["forward"] >= 1 and got["generated"]["backward"] >= 1, got  # GELU and its backward
     assert got["kernels"] == sum(got["extern"].values()) + sum(got["generated"].values())
 
+
+def test_graph_kernels_refuses_a_step_whose_kernels_it_cannot_see():
     torch.compiler.reset()
-    plain = torch.compile(loss, backend="inductor", fullgraph=True)
-    plain(x, w).backward()  # compiled without kernel_profile: its kernels leave no record
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    plain = torch.compile(_gelu_loss, backend="inductor", fullgraph=True)
+    plain(x, w).backward()  # compiled on the CPU without kernel_profile: its kernels leave no record
     with pytest.raises(RuntimeError, match="kernel_profile"):
         graph_kernels(lambda: plain(x, w).backward())
-    with pytest.raises(RuntimeError, match="no inductor graph"):
-        graph_kernels(lambda: loss(x, w).backward())
     torch.compiler.reset()
+    with pytest.raises(RuntimeError, match="no inductor graph"):
+        graph_kernels(lambda: _gelu_loss(x, w).backward())
 
 
 @needs_cuda

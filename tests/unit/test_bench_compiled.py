@@ -74,6 +74,19 @@ def test_device_run_records_compiled_rows_and_their_ratio(tmp_path):
     assert r["config"]["modes_run"] == ["compiled", "eager"]
 
 
+def test_inductor_compiled_rows_count_their_graphs_kernels(tmp_path):
+    out = tmp_path / "se.json"
+    assert six_encoder.main(["--smoke", "--device", "cpu", "--modes", "eager", "compiled", "--dtypes", "bf16",
+                             "--contenders", "comera", "--batch-sizes", "2", "--steps", "1",
+                             "--json", str(out)]) == 0  # inductor, the default backend
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    compiled = rows["compiled"]
+    assert "graph_kernels_error" not in compiled, compiled
+    assert compiled["graph_kernels"] == compiled["generated_kernels"] + compiled["extern_kernels"]
+    assert compiled["generated_kernels"] > 0 and compiled["extern_kernels"] > 0, compiled
+    assert "graph_kernels" not in rows["eager"]  # an eager step has no graph to count
+
+
 def test_row_selection_needs_the_device_comparison(capsys):
     with pytest.raises(SystemExit):
         six_encoder.main(["--smoke", "--modes", "compiled"])

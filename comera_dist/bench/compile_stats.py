@@ -5,8 +5,8 @@ A compiled step can silently stop replaying its graphs: a re-recording at every 
 warming up (run eagerly in the graph pool) because each step's forward starts while a backward is
 pending, or a graph skipped for an input mutation. Each costs a step's worth of launches or more and
 shows only in a debug log. These numbers make it part of the result, with the host work left around
-the graphs (``host_ops``) and, on the CPU, the kernels the graphs launch (``graph_kernels``, for
-``bench ops --compiled``)."""
+the graphs (``host_ops``) and the kernels the graphs launch (``graph_kernels``, for ``bench ops
+--compiled`` and ``bench six-encoder``'s compiled rows)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ import torch.distributed as dist
 from comera_dist.engine.device import collective_tensor
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
+START_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1,)
+"""Recorded from the start of a job: Slurm's warning that the time limit is near. Without a handler it
+kills the rank (Python's default) or is lost (a launcher's inherited ignore) while the job starts up,
+and a job that never checkpoints and exits 0 is not requeued. SIGTERM kills a rank that is still
+starting (nothing to save yet, and a launcher tearing a failed job down should not wait on it)."""
 
 
 class StopRequest:
@@ -22,7 +27,14 @@ class StopRequest:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.signal_name: str | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+        self._previous: dict[signal.Signals, object] = {}
+        self.watch(signals)
+
+    def watch(self, signals: tuple[signal.Signals, ...]) -> None:
+        """Record these signals too (a signal already watched keeps its first previous handler)."""
+        for s in signals:
+            if s not in self._previous:
+                self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is None:

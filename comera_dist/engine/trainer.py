@@ -34,7 +34,7 @@ from comera_dist.engine.faults import NonFiniteInjector
 from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.run_data import RunData, build_run_data
 from comera_dist.engine.session import NonFiniteGradientsApplied, TrainSession
-from comera_dist.engine.signals import StopRequest
+from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
 from comera_dist.metrics import Metrics, build_metrics
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,19 @@ def _setup_logging(info: DistInfo) -> None:
 
 
 def train(cfg: RunConfig, *, resume: str = "auto") -> int:
-    """Run the job described by ``cfg`` in this process (one rank); returns the exit status."""
+    """Run the job described by ``cfg`` in this process (one rank); returns the exit status.
+
+    A SIGUSR1 is recorded from the first line (``signals.START_SIGNALS``): one that arrives while the
+    job starts up (process group, data, model, resume: minutes for a large model) stops it at the
+    first step boundary with a checkpoint, as one during training does."""
+    stop = StopRequest(START_SIGNALS)
+    try:
+        return _train(cfg, resume, stop)
+    finally:
+        stop.close()  # the handlers the process had before (a USR1 during exit must not kill the rank)
+
+
+def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
@@ -187,7 +199,7 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
     metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,
                             world_size=info.world_size, total_steps=cfg.train.steps,
                             output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name)
-    stop = StopRequest()
+    stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:
         initial = _periodic_metrics(session, data)
@@ -255,7 +267,6 @@ def train(cfg: RunConfig, *, resume: str = "auto") -> int:
                 _checkpoint(session, data, step, guard, metrics, reason="schedule")
     finally:
         metrics.close()  # the report; a stop signal meanwhile only sets the flag
-        stop.close()
     # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which
     # would kill rank 0 in the middle of writing the report.
     tdist.barrier()

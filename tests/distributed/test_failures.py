@@ -4,7 +4,8 @@
   skipped on every rank, counted and logged; K consecutive ones stop the run with exit 3 and a
   checkpoint whose weights are the last good ones;
 * SIGUSR1 to one rank (Slurm's preemption warning) checkpoints at the next step boundary on every
-  rank, exits 0, and ``--resume auto`` continues from that step.
+  rank, exits 0, and ``--resume auto`` continues from that step; one that arrives while the job is
+  still starting up does the same at the first step.
 """
 
 from __future__ import annotations
@@ -102,3 +103,22 @@ def test_sigusr1_checkpoints_exits_zero_and_resumes(jobs, tmp_path, port):
     assert rc == 0, log2[-4000:]
     assert f"resumed at step {step}" in log2, log2[-4000:]
     assert f"step {step + 1}/{step + 2}" in log2 and f"step {step}/" not in log2
+
+
+@pytest.mark.distributed
+def test_sigusr1_during_start_up_stops_at_the_first_step(jobs, tmp_path, port):
+    """The warning reaches a rank after its process group is up, while data, model and engine are still
+    being built: the rank keeps it (``signals.START_SIGNALS``) instead of dying of it, and the job
+    checkpoints at step 1 and exits 0, so Slurm requeues it."""
+    out = tmp_path / "run"
+    args = run_overrides(out, "train.steps=200", "train.checkpoint_every=0", "train.log_every=1",
+                         "comera.pruning.every=0")
+    job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
+    job.wait_for(r"rank 1/2 up", timeout=180)  # logged right after the process group starts
+    rank_processes(job)[1].send_signal(signal.SIGUSR1)
+    rc = job.wait(timeout=180)
+    log = job.text()
+    assert rc == 0, log[-4000:]
+    assert "stop requested (SIGUSR1): checkpointing at step 1" in log, log[-4000:]
+    assert "step 2/200" not in log
+    assert checkpoint_tags(out) == [tag_for(1)]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from comera_dist.engine.faults import NonFiniteInjector, parse_steps
-from comera_dist.engine.signals import StopRequest
+from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
 from comera_dist.engine.trainer import NonFiniteGuard, _due
 
 
@@ -88,3 +88,15 @@ def test_stop_request_records_signal_and_restores_handlers():
     assert stop.signal_name == "SIGUSR1"  # the first one is kept
     stop.close()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_stop_request_watches_more_signals_later_and_restores_the_first_handlers():
+    """The trainer's order: USR1 from the start of the job, SIGTERM once there is a state to save."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    stop = StopRequest(START_SIGNALS)
+    assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]  # a starting rank still dies of TERM
+    stop.watch(STOP_SIGNALS)  # USR1 again: its first previous handler is the one kept
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signal_name == "SIGTERM"
+    stop.close()
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before

@@ -53,7 +53,7 @@ import collections
 import contextlib
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -135,15 +135,8 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
     if name == "comera_pruned":
         c.train_step(batch)  # AdamW state exists before the prune, as in training
         ragged_prune(c)
-    threads = torch.get_num_threads()
-    ctx = dispatch.static_shapes() if policy == "static" else contextlib.nullcontext()
-    try:
-        if policy == "static":
-            torch.set_num_threads(1)  # the GPU path: no smallops.on_one_thread wrapper
-        with ctx:
-            counter = count_step(lambda: c.train_step(batch))
-    finally:
-        torch.set_num_threads(threads)
+    with gpu_path() if policy == "static" else contextlib.nullcontext():
+        counter = count_step(lambda: c.train_step(batch))
     total = sum(counter.ops.values())
     return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32",
             "ops": total, "kernel_ops": total - counter.views,
@@ -159,18 +152,27 @@ def measure_compiled(name: str, *, smoke: bool, batch_size: int) -> dict[str, An
     c = make_contender(name, smoke=smoke)
     c.autocast = torch.bfloat16
     batch = random_batch(c.model, batch_size, smoke=smoke)
-    threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        with dispatch.static_shapes(), kernel_profile():
+        with gpu_path(), kernel_profile():
             compile_loss(c, "inductor")
             for _ in range(2):  # the first step compiles
                 c.train_step(batch)
-            result = graph_kernels(lambda: c.train_step(batch))
+            return graph_kernels(lambda: c.train_step(batch))
+    finally:
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def gpu_path() -> Iterator[None]:
+    """The GPU path emulated on the CPU (the ``static`` policy): ``dispatch.static_shapes()`` and one
+    intra-op thread, so no ``smallops.on_one_thread`` wrapper either."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with dispatch.static_shapes():
+            yield
     finally:
         torch.set_num_threads(threads)
-        torch._dynamo.reset()
-    return result
 
 
 def _env_prefix() -> str:

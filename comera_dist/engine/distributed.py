@@ -133,5 +133,5 @@ def leave_distributed() -> None:
     Call it only on the way out of a clean return: after a failed collective, NCCL's destroy can block
     on the dead peer.
     """
-    if dist.is_initialized():
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

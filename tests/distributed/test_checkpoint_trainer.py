@@ -87,8 +87,6 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int)
     """The job as users start it: ``comera pretrain`` (``cli.pretrain_main``) on this rank."""
     os.environ.update(COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false", COMERA_FAULT_NONFINITE_STEPS="")
-    import torch.distributed
-
     from comera_dist.cli import pretrain_main
 
     records = LogLines(logging.INFO)

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from comera_dist.compression.groups import ROLES, param_roles
+from comera_dist.models.blocks import RECOMPUTE_CONTEXT
 
 NAMES = {"cores": "packed_cores", "gates": "packed_gates", "dense": "packed_vectors"}
 """Each role's flat parameter: a parameter of the model itself (no submodule, so nothing iterating the
@@ -201,6 +202,9 @@ def pack_vectors(model: nn.Module, layout: int = LAYOUT) -> Packing | None:
     packing = model._packing = Packing(model, packs, layout)
     packing.install(detached=True)
     model.forward = types.MethodType(_packed_forward, model)
+    # a block recomputed in backward (model.activation_checkpointing) runs after the forward put the
+    # detached views back: it reads the views in autograd again, or it would save less than its forward
+    setattr(model, RECOMPUTE_CONTEXT, types.MethodType(attached, model))
     model.register_state_dict_post_hook(_unpack_state_dict)
     model.register_load_state_dict_pre_hook(_pack_state_dict)
     return packing

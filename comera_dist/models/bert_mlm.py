@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import shared_factors_and_penalty
-from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
+from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs, run_blocks
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_output_head
 from comera_dist.models.token_loss import token_cross_entropy
@@ -57,8 +57,7 @@ class BertMLM(nn.Module):
         # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
         factors, penalty = shared_factors_and_penalty(self)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, keep, factors)  # (B, T, C)
+        x = run_blocks(self, x, keep, factors)  # (B, T, C)
         if mlm_positions is not None:
             if mlm_positions.dim() != 2 or mlm_positions.shape[0] != input_ids.shape[0]:
                 raise ValueError(f"mlm_positions must be (batch, P) = ({input_ids.shape[0]}, P), "

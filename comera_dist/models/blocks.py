@@ -7,9 +7,14 @@ so that ``models.export`` maps weights one to one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from typing import ContextManager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
 from comera_dist.layers.group import Factors, project, project_shared_input
@@ -105,6 +110,39 @@ class PostLNBlock(nn.Module):
         """x: (B, T, C); keep: (B, T) bool or None; factors: shared TT factors or None -> (B, T, C)."""
         x = self.attn_norm(x + self.drop(self.attn(x, keep, factors)))  # (B, T, C)
         return self.ffn_norm(x + self.drop(self.ffn(x, factors)))  # (B, T, C)
+
+
+RECOMPUTE_CONTEXT = "recompute_context"
+"""Attribute a model may hold: a callable returning a context manager that each block's recomputation in
+backward runs inside (``engine.packing`` sets it, so a recomputed block reads its parameters as views in
+autograd, as its forward did, and saves what the forward saved)."""
+
+
+def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factors | None) -> Tensor:
+    """``x`` (B, T, C) through ``model.blocks`` in turn -> (B, T, C).
+
+    With ``model.config.activation_checkpointing``, while training with gradients, each block runs under
+    ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the block's input, and the block runs
+    again in backward to remake what its own backward reads, with the RNG state of its forward (the same
+    dropout masks). The gradients are those of the plain forward. Under ``torch.compile`` the partitioner
+    decides the recomputation inside the graph, and the model's ``recompute_context`` is not used.
+    """
+    recompute = model.config.activation_checkpointing and model.training and torch.is_grad_enabled()
+    for block in model.blocks:
+        if recompute:
+            x = checkpoint(block, x, keep, factors, use_reentrant=False, **_recompute_context(model))
+        else:
+            x = block(x, keep, factors)  # (B, T, C)
+    return x
+
+
+def _recompute_context(model: nn.Module) -> dict[str, Callable[[], tuple[ContextManager, ContextManager]]]:
+    """``checkpoint``'s ``context_fn`` entering the model's ``RECOMPUTE_CONTEXT`` around recomputation,
+    or nothing (no such context, or traced: Dynamo accepts only selective-checkpoint contexts)."""
+    enter = model.__dict__.get(RECOMPUTE_CONTEXT)
+    if enter is None or torch.compiler.is_compiling():
+        return {}
+    return {"context_fn": lambda: (contextlib.nullcontext(), enter())}
 
 
 def check_inputs(cfg: ModelConfig, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:

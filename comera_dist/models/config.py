@@ -43,6 +43,11 @@ class ModelConfig:
     a dense table's weight; with a TTM embedding the head (``layers.TiedTTHead``) computes ``h E^T``
     from the embedding's cores and gates, so the whole model has no dense ``V x C`` matrix left.
     False: the head is its own dense ``Linear``."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (``torch.utils.checkpoint``,
+    non-reentrant; dropout replays the same masks): a block keeps only its input until backward, for
+    about one more forward of compute. What bounds a compressed model's memory at small batches, where
+    the TT factors are a few MiB and the activations most of the rest (``models.blocks.run_blocks``)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import Factors, shared_factors_and_penalty
-from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs
+from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs, run_blocks
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
 from comera_dist.models.token_loss import IGNORE_INDEX, token_cross_entropy
@@ -59,8 +59,7 @@ class GPT(nn.Module):
         factors, penalty = shared_factors_and_penalty(self)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
         x = self.drop(self.word(input_ids) + self.position(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, keep, factors)  # (B, T, C)
+        x = run_blocks(self, x, keep, factors)  # (B, T, C)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import project, shared_factors_and_penalty
-from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs
+from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs, run_blocks
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_linear
 
@@ -42,8 +42,7 @@ class SixEncoderClassifier(nn.Module):
         # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
         factors, penalty = shared_factors_and_penalty(self)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, keep, factors)  # (B, T, C)
+        x = run_blocks(self, x, keep, factors)  # (B, T, C)
         pooled = torch.tanh(project(self.pooler, x[:, 0], factors))  # (B, C) from the first ([CLS]) token
         logits = self.classifier(self.drop(pooled))  # (B, num_labels)
         loss = None

@@ -134,6 +134,34 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return mem
 
 
+def step_peak_bytes(step: Callable[[], object]) -> int:
+    """Peak bytes of the CPU tensors alive at once while ``step()`` runs: parameters, optimizer state,
+    gradients, saved and transient activations, temporaries (what ``torch.cuda.max_memory_allocated``
+    reads on a GPU, without the allocator's rounding).
+
+    From ``torch.profiler``'s memory timeline: every tensor the step touches or makes, with its
+    creation and destruction (torch deprecates the export in favour of the CUDA-only memory history;
+    the CPU has no allocator statistics). Unlike ``measure_step``'s saved-tensor accounting it also
+    sees activations made in backward, as a block recomputed there (``model.activation_checkpointing``).
+    """
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*export_memory_timeline.*deprecated")
+        path = Path(tmp) / "timeline.json"
+        prof.export_memory_timeline(str(path), device="cpu")
+        _, sizes = json.loads(path.read_text())  # [times, bytes per category at each time]
+    if not sizes:
+        raise RuntimeError("torch.profiler recorded no CPU tensor memory for the step")
+    return int(max(sum(row) for row in sizes))
+
+
 # ---- peak RSS: one process per contender ---------------------------------------------------
 
 def _rss_bytes(field: str) -> int:
@@ -152,7 +180,8 @@ def _reset_peak_rss() -> None:
 
 
 def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smoke: bool,
-              threads: int | None = None, profile: bool = False, timeout_s: float = 3600.0) -> dict[str, Any]:
+              threads: int | None = None, profile: bool = False, recompute: bool = False,
+              timeout_s: float = 3600.0) -> dict[str, Any]:
     """Start ``memory-probe`` for one contender in a fresh interpreter and return its JSON result."""
     from comera_dist.bench.six_encoder import CONTENDERS
 
@@ -168,6 +197,8 @@ def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smo
         cmd += ["--threads", str(threads)]
     if profile:
         cmd.append("--profile")
+    if recompute:
+        cmd.append("--recompute")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"memory-probe for contender {contender!r} exited {proc.returncode}:\n"
@@ -188,6 +219,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model (CI)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--profile", action="store_true", help="add torch.profiler top ops of one more step")
+    p.add_argument("--recompute", action="store_true",
+                   help="the model recomputes each block in backward (model.activation_checkpointing)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1:
@@ -203,7 +236,7 @@ def main(argv: list[str]) -> int:
     gc.collect()
     _reset_peak_rss()
     baseline = _rss_bytes("VmRSS")
-    setup = work.make_contender(args.contender, smoke=args.smoke)
+    setup = work.make_contender(args.contender, smoke=args.smoke, recompute=args.recompute)
     batch = work.random_batch(setup.model, args.batch_size, smoke=args.smoke)
     t0 = time.perf_counter()
     mem = measure_step(setup.model, setup.optimizer, lambda: setup.loss(batch))
@@ -214,11 +247,13 @@ def main(argv: list[str]) -> int:
         setup.step(batch)
         times.append(time.perf_counter() - t0)
     peak = _rss_bytes("VmHWM")
+    step_peak = step_peak_bytes(lambda: setup.step(batch))  # after VmHWM: the profiler's own memory is not the step's
     profile = work.top_ops(lambda: setup.step(batch)) if args.profile else None
     result = {
         "contender": args.contender, "batch_size": args.batch_size, "steps": args.steps,
         "step_s": statistics.median(times), "step_min_s": min(times), "first_step_s": first_s,
-        "tensor_memory": mem.as_dict(), "rss_baseline_bytes": baseline, "rss_peak_bytes": peak,
+        "tensor_memory": mem.as_dict(), "step_peak_bytes": step_peak, "recompute": args.recompute,
+        "rss_baseline_bytes": baseline, "rss_peak_bytes": peak,
         "rss_peak_above_baseline_bytes": peak - baseline, "threads": torch.get_num_threads(),
         "extra": setup.extra, "profile": profile,
     }

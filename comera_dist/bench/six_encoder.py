@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -116,11 +116,12 @@ class Contender:
 
 
 def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch.device = "cpu",
-                   capturable: bool = False) -> Contender:
+                   capturable: bool = False, recompute: bool = False) -> Contender:
     """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture) on ``device``.
 
     ``capturable``: the AdamW keeps its step counts on the device, so the whole step can be captured
-    in a CUDA graph (``bench.graphed``); GaLore's optimizer cannot be captured.
+    in a CUDA graph (``bench.graphed``); GaLore's optimizer cannot be captured. ``recompute``: the
+    model recomputes each block's activations in backward (``model.activation_checkpointing``).
     """
     if name not in CONTENDERS:
         raise ValueError(f"contender must be one of {list(CONTENDERS)}, got {name!r}")
@@ -128,7 +129,7 @@ def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch
         raise ValueError("the galore contender cannot be captured (its projections are host-side work)")
     adamw = dict(ADAMW, capturable=True) if capturable else ADAMW
     torch.manual_seed(seed)
-    cfg = model_config(smoke=smoke)
+    cfg = replace(model_config(smoke=smoke), activation_checkpointing=recompute)
     lr = LrConfig()
     if name == "comera":
         model = build_model(cfg, tensorize_config(smoke=smoke)).to(device)
@@ -221,14 +222,17 @@ def main(argv: list[str]) -> int:
                                   "compiled-graph: both. GaLore runs eager only; graphs need CUDA")
     device_only.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), help="default: both")
     device_only.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="default: all three")
+    device_only.add_argument("--recompute", action="store_true",
+                             help="every contender recomputes each block's activations in backward "
+                                  "(model.activation_checkpointing); metrics end in _recompute")
     device_only.add_argument("--compile-backend", default="inductor",
                              help="torch.compile backend of the compiled modes (default inductor; aot_eager "
                                   "traces forward and backward without code generation)")
     args = p.parse_args(argv)
     if args.device is None and torch.cuda.is_available():
         args.device = "cuda"  # on a GPU machine the benchmark is the GPU comparison (launch/gpu_check.sh)
-    if args.device is None and (args.modes or args.dtypes or args.contenders):
-        p.error("--modes, --dtypes and --contenders select rows of the device comparison: add --device "
+    if args.device is None and (args.modes or args.dtypes or args.contenders or args.recompute):
+        p.error("--modes, --dtypes, --contenders and --recompute belong to the device comparison: add --device "
                 "(e.g. --device cpu)")
     steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]

@@ -18,7 +18,10 @@ best against dense's worst; the eager-only ratios are recorded beside them. Peak
 allocator's peak of the same mode (for a graph: warm-up, capture and its private memory pool),
 less what was allocated before the contender was built (on the first H200 run with graphs, memory
 that earlier contenders left behind inflated the later contenders' peaks by 200-400 MiB), with
-cuBLAS's workspaces freed first so each contender's peak includes its own (``_baseline``).
+cuBLAS's workspaces freed first so each contender's peak includes its own (``_baseline``); off CUDA,
+the profiler's peak of live tensors (``memory_probe.step_peak_bytes``). ``--recompute`` builds every
+contender with ``model.activation_checkpointing`` (each block recomputed in backward): what bounds
+CoMERA's memory at batch 1, paid in time, measured side by side; its metrics end in ``_recompute``.
 A capture that fails (a host sync inside the step, say) is recorded as that row's ``error``
 and the mode drops out of the metrics.
 """
@@ -35,7 +38,7 @@ from torch import Tensor
 
 from comera_dist.bench.common import write_result
 from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
-from comera_dist.bench.memory_probe import measure_step
+from comera_dist.bench.memory_probe import step_peak_bytes
 from comera_dist.bench.six_encoder import (
     ADAMW,
     MODES,
@@ -73,15 +76,16 @@ def compile_loss(c: Contender, backend: str) -> Contender:
 
 
 def peak_step_bytes(c: Contender, batch: dict[str, Tensor]) -> int:
-    """Peak memory of one eager training step: allocator peak on CUDA (parameters, gradients, optimizer
-    state, activations, workspace), the measured tensor memory elsewhere."""
+    """Peak memory of one eager training step (parameters, gradients, optimizer state, activations, made
+    in forward or recomputed in backward): the allocator's peak on CUDA (with the workspaces), the
+    profiler's peak of live tensors elsewhere (``memory_probe.step_peak_bytes``)."""
     if batch["input_ids"].is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         c.train_step(batch)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return measure_step(c.model, c.optimizer, lambda: c.loss(batch)).total_bytes
+    return step_peak_bytes(lambda: c.train_step(batch))
 
 
 def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> dict[str, float]:
@@ -181,7 +185,8 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
         for name in args.contenders or ("dense", "comera", "galore"):
             for mode in modes(name, device, wanted):
                 base = _baseline(device)  # what earlier contenders left: not this one's memory
-                c = make_contender(name, smoke=args.smoke, device=device, capturable=mode.endswith("graph"))
+                c = make_contender(name, smoke=args.smoke, device=device, capturable=mode.endswith("graph"),
+                                   recompute=args.recompute)
                 c.autocast = autocast
                 if mode.startswith("compiled"):
                     compile_loss(c, args.compile_backend)
@@ -232,17 +237,22 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     with kernel_profile() if counting else contextlib.nullcontext():
         rows = _rows(args, device, steps, sizes, wanted, counting)
     dev = device.type
+    # with every contender recomputing its blocks in backward the metrics are another comparison: named apart
+    suffix = "_recompute" if args.recompute else ""
     config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
               "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
               "modes": "eager; graph = whole step in one CUDA graph (bench/graphed.py); compiled = loss through "
                        f"torch.compile(backend={args.compile_backend!r}); metrics: best mode each",
               "modes_run": sorted({r["mode"] for r in rows}),
-              "target": {f"speedup_vs_dense_b32_{dev}_fp32": 2.0, f"speedup_vs_dense_b32_{dev}_bf16": 1.5,
-                         f"speedup_vs_galore_b1_{dev}": 2.0, f"memory_ratio_galore_over_comera_b1_{dev}": 9.0},
+              "target": {k + suffix: v for k, v in (
+                  (f"speedup_vs_dense_b32_{dev}_fp32", 2.0), (f"speedup_vs_dense_b32_{dev}_bf16", 1.5),
+                  (f"speedup_vs_galore_b1_{dev}", 2.0), (f"memory_ratio_galore_over_comera_b1_{dev}", 9.0))},
+              "recompute": args.recompute,
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike
               "cublas_workspace_env": {k: os.environ.get(k) for k in CUBLAS_WORKSPACE_ENV},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "six-encoder", metrics_of(rows, sizes, dev), rows, config)
+    metrics = {k + suffix: v for k, v in metrics_of(rows, sizes, dev).items()}
+    write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

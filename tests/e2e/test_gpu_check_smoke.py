@@ -33,7 +33,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
-                                                     "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
+                                                     "bench-six-encoder-recompute", "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
@@ -47,6 +47,11 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert ws["config"]["cublas_workspace_env"] == {"CUBLAS_WORKSPACE_CONFIG": ":4096:1",
                                                     "CUBLASLT_WORKSPACE_SIZE": "4096"}
     assert summary["metrics"]["six-encoder-ws4"]["memory_ratio_galore_over_comera_b1_cpu"] > 0
+    recompute = json.loads((out / "six-encoder-recompute.json").read_text())  # every block recomputed in backward
+    assert recompute["config"]["recompute"] is True
+    assert {(r["contender"], r["mode"]) for r in recompute["rows"] if "error" not in r} == {
+        ("comera", "eager"), ("comera", "compiled"), ("galore", "eager")}
+    assert summary["metrics"]["six-encoder-recompute"]["memory_ratio_galore_over_comera_b1_cpu_recompute"] > 0
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     rate = json.loads((out / "trainer-rate.json").read_text())["metrics"]

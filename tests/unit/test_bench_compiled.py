@@ -87,7 +87,25 @@ def test_inductor_compiled_rows_count_their_graphs_kernels(tmp_path):
     assert "graph_kernels" not in rows["eager"]  # an eager step has no graph to count
 
 
+def test_recompute_run_names_its_metrics_apart_and_keeps_less_at_batch_1(tmp_path):
+    """``--recompute``: every contender recomputes its blocks; on the CPU the peak is the profiler's, which
+    sees the recomputed activations, and CoMERA's batch-1 peak is below the plain run's."""
+    peaks = {}
+    for flag in ([], ["--recompute"]):
+        out = tmp_path / f"se{len(flag)}.json"
+        assert six_encoder.main(["--smoke", "--device", "cpu", "--dtypes", "fp32", "--contenders", "comera",
+                                 "galore", "--batch-sizes", "1", "--steps", "1", "--json", str(out), *flag]) == 0
+        r = json.loads(out.read_text())
+        assert r["config"]["recompute"] is bool(flag)
+        suffix = "_recompute" if flag else ""
+        assert set(r["metrics"]) == {f"speedup_vs_galore_b1_cpu{suffix}", f"memory_ratio_galore_over_comera_b1_cpu{suffix}"}
+        assert f"memory_ratio_galore_over_comera_b1_cpu{suffix}" in r["config"]["target"]
+        peaks[bool(flag)] = {row["contender"]: row["peak_MiB"] for row in r["rows"]}
+    assert peaks[True]["comera"] < peaks[False]["comera"], peaks
+
+
 def test_row_selection_needs_the_device_comparison(capsys):
-    with pytest.raises(SystemExit):
-        six_encoder.main(["--smoke", "--modes", "compiled"])
-    assert "--device" in capsys.readouterr().err
+    for flag in (["--modes", "compiled"], ["--recompute"]):
+        with pytest.raises(SystemExit):
+            six_encoder.main(["--smoke", *flag])
+        assert "--device" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from comera_dist.bench.memory_probe import SavedActivations, measure_step, run_probe, unique_bytes
+from comera_dist.bench.memory_probe import SavedActivations, measure_step, run_probe, step_peak_bytes, unique_bytes
 
 
 def _mlp() -> nn.Module:
@@ -45,6 +45,35 @@ def test_saved_activations_ignore_parameters():
     assert saved.bytes == 2 * 8 * 4
 
 
+def test_step_peak_bytes_is_the_most_alive_at_once():
+    x = torch.ones(2**18)  # 1 MiB, alive before and after: counted once the step touches it
+
+    def step():
+        a = x * 2  # 1 MiB
+        b = torch.ones(2**20)  # 4 MiB: the peak is x, a and b
+        del b
+        c = a + 1  # 1 MiB, made after b was freed
+        return c.sum()
+
+    assert step_peak_bytes(step) == 6 * 2**20
+
+
+def test_step_peak_bytes_sees_activations_recomputed_in_backward():
+    """A checkpointed block's activations exist only in backward, where saved-tensor accounting cannot see
+    them: the peak must (a 4 MiB activation of a 1 MiB input, recomputed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.ones(2**18, requires_grad=True)  # 1 MiB
+
+    def block(v):
+        return (v.repeat(4) * 3.0).exp()  # saves its 4 MiB result for exp's backward
+
+    def step():
+        checkpoint(block, w, use_reentrant=False).sum().backward()
+
+    assert step_peak_bytes(step) >= 1 * 2**20 + 4 * 2**20  # w and the recomputed activation at least
+
+
 @pytest.mark.slow
 def test_probe_worker_runs_in_its_own_process():
     r = run_probe(workload="six-encoder", contender="comera", batch_size=2, steps=1, smoke=True)
@@ -53,6 +82,15 @@ def test_probe_worker_runs_in_its_own_process():
     assert r["tensor_memory"]["total_bytes"] == sum(r["tensor_memory"][k] for k in
                                                     ("params_bytes", "grads_bytes", "optimizer_bytes",
                                                      "activations_bytes"))
+
+
+def test_probe_worker_recomputes_when_asked_and_peaks_lower():
+    r = {flag: run_probe(workload="six-encoder", contender="comera", batch_size=4, steps=1, smoke=True,
+                         recompute=flag) for flag in (False, True)}
+    assert [r[False]["recompute"], r[True]["recompute"]] == [False, True]
+    assert r[True]["step_peak_bytes"] < r[False]["step_peak_bytes"], r
+    # the same model: parameters and optimizer state do not change, only what the step keeps alive
+    assert r[True]["tensor_memory"]["params_bytes"] == r[False]["tensor_memory"]["params_bytes"]
 
 
 def test_probe_worker_rejects_bad_contender():

@@ -73,6 +73,22 @@ def test_galore(results):
     assert by["galore"]["optimizer_MiB"] < by["dense"]["optimizer_MiB"]
     assert r["config"]["galore"]["galore_params"] > 0
     assert r["config"]["process_per_contender"] is True
+    # the step's peak of live tensors: at least the parameters and optimizer state held through it
+    assert all(row["peak_MiB"] >= row["params_MiB"] + row["optimizer_MiB"] for row in r["rows"]), r["rows"]
+    assert r["metrics"]["peak_ratio_galore_over_comera_b1"] == pytest.approx(
+        by["galore"]["peak_MiB"] / by["comera"]["peak_MiB"])
+
+
+def test_galore_recompute_compares_the_peaks(tmp_path: Path):
+    out = tmp_path / "galore.json"
+    assert galore.main(["--smoke", "--steps", "1", "--recompute", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["recompute"] is True
+    # the saved-tensor accounting cannot see the recomputed blocks: no tensor-memory ratio in this run
+    assert set(r["metrics"]) == {f"{m}_b1_recompute" for m in (
+        "speedup_vs_galore", "speedup_vs_galore_amortized", "speedup_vs_dense", "peak_ratio_galore_over_comera",
+        "peak_ratio_dense_over_comera", "rss_ratio_galore_over_comera")}
+    assert set(r["config"]["target"]) == {"speedup_vs_galore_b1_recompute", "peak_ratio_galore_over_comera_b1_recompute"}
 
 
 def test_memory(results):

@@ -102,6 +102,9 @@ def plot(name: str, result: dict[str, Any], out: Path, *, title: str | None = No
             vals = [r[f"{role}_MiB"] for r in rows]
             ax.bar([r["contender"] for r in rows], vals, bottom=bottom, label=role)
             bottom = [b + v for b, v in zip(bottom, vals)]
+        if all("peak_MiB" in r for r in rows):  # what was alive at once, recomputed activations included
+            ax.scatter([r["contender"] for r in rows], [r["peak_MiB"] for r in rows], color="black", marker="_",
+                       s=900, zorder=3, label="step peak")
         ax.set(ylabel="MiB (measured tensors)")
     elif name == "codebert":
         for who, curve in cfg.get("curves", {}).items():
@@ -130,7 +133,7 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
     lines = [f"## {name}", ""]
     load = (cfg.get("load_avg_start"), cfg.get("load_avg_end"))
     run = {k: v for k, v in cfg.items() if k in ("steps", "batch_size", "batch_sizes", "seq_len", "threads",
-                                                  "smoke", "keep", "loop", "galore", "config", "overrides",
+                                                  "smoke", "keep", "loop", "galore", "config", "overrides", "recompute",
                                                   "schedule_scale")}
     lines += [f"Run settings: `{json.dumps(run)}`.", ""]
     if all(load):

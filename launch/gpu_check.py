@@ -140,8 +140,11 @@ def summary(outdir: str) -> int:
     # whether a compiled trainer's CUDA graphs replayed as recorded (bench.compile_stats; null off CUDA)
     trees = {name: t for name, r in results.items()
              if (t := (r.get("config") or {}).get("cudagraph_trees")) and any(t.values())}
+    # where each profiled step's device time went (bench six-encoder --profile; bench.kernel_time)
+    kernel_ms = {f"{name} {row}": k for name, r in results.items()
+                 for row, k in ((r.get("config") or {}).get("kernel_time") or {}).items() if "device_ms" in k}
     result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows),
-              "metrics": figures, "cudagraph_trees": trees}
+              "metrics": figures, "cudagraph_trees": trees, "kernel_time": kernel_ms}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
@@ -150,6 +153,9 @@ def summary(outdir: str) -> int:
         print(f"  {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
     for name, per_phase in trees.items():
         print(f"  {name} cudagraph_trees: " + json.dumps(per_phase))
+    for name, k in kernel_ms.items():
+        print(f"  {name}: kernels {k['device_ms']:.2f} ms (" +
+              ", ".join(f"{kind} {ms:.2f}" for kind, ms in k["by_kind_ms"].items()) + ")")
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

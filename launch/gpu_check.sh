@@ -52,13 +52,14 @@ if [ "$MODE" = gpu ]; then
   # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
   SIZE=(--set data.max_files=60 --set deepspeed.micro_batch_size_per_gpu=16)
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
-  KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/unit/test_bench_compile_stats.py tests/kernels)
+  KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py tests/unit/test_bench_compile_stats.py tests/unit/test_bench_kernel_time.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
-  BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10)
+  # --profile: each eager step's kernels at batch 32 timed by kind (config.kernel_time): where the device time goes
+  BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10 --profile)
   BENCH_SIX_WS=(-m comera_dist.bench six-encoder --batch-sizes 1 --dtypes fp32 --steps 10)
   # the bf16 target's candidate: inductor fuses the element-wise work both models share (one compile each)
   BENCH_SIX_COMPILED=(-m comera_dist.bench six-encoder --modes graph compiled-graph --dtypes bf16
-                      --contenders dense comera --batch-sizes 32 --steps 10)
+                      --contenders dense comera --batch-sizes 32 --steps 10 --profile)
   # the batch-1 memory target with every block recomputed in backward (model.activation_checkpointing), against
   # GaLore recomputing too; a raw CUDA-graph capture of a checkpoint with dropout may fail (torch issue
   # 162504: the RNG state is read during capture), so the compiled graph (RNG functionalised) runs beside it
@@ -82,7 +83,7 @@ else
   BENCH_SIX=(-m comera_dist.bench six-encoder --smoke --batch-sizes 1 --steps 1)
   BENCH_SIX_WS=(-m comera_dist.bench six-encoder --smoke --device cpu --batch-sizes 1 --dtypes fp32 --steps 1)
   BENCH_SIX_COMPILED=(-m comera_dist.bench six-encoder --smoke --device cpu --modes eager compiled --dtypes bf16
-                      --contenders dense comera --batch-sizes 1 --steps 1 --compile-backend aot_eager)
+                      --contenders dense comera --batch-sizes 1 --steps 1 --compile-backend aot_eager --profile)
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --smoke --device cpu --recompute --modes eager compiled
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 1 --compile-backend aot_eager)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)

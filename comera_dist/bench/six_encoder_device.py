@@ -38,6 +38,7 @@ from torch import Tensor
 
 from comera_dist.bench.common import write_result
 from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
+from comera_dist.bench.kernel_time import kernel_time
 from comera_dist.bench.memory_probe import step_peak_bytes
 from comera_dist.bench.six_encoder import (
     ADAMW,
@@ -176,8 +177,9 @@ def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[s
 
 
 def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tuple[str, ...] | None,
-          counting: bool) -> list[dict[str, Any]]:
-    """``run_device``'s measured rows, one per contender, mode, dtype and batch size."""
+          counting: bool, kernels: dict[str, Any]) -> list[dict[str, Any]]:
+    """``run_device``'s measured rows, one per contender, mode, dtype and batch size; with ``--profile`` the
+    kernel time of each row's step at the largest batch goes into ``kernels`` by row."""
     b_lo = min(sizes)
     rows: list[dict[str, Any]] = []
     for dtype_name in args.dtypes or DEVICE_DTYPES:
@@ -196,6 +198,8 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
                                            "params": sum(q.numel() for q in c.model.parameters())}
                     if counting and mode.startswith("compiled"):
                         row |= _kernels_row(c, batch)
+                    if args.profile and b == max(sizes):
+                        kernels[f"{name} {mode} {dtype_name} b{b}"] = _kernel_time_row(c, batch, row)
                     try:
                         m = measure(c, mode, batch, steps)
                     except RuntimeError as e:  # a failed capture is a result: recorded, not fatal
@@ -211,6 +215,19 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+def _kernel_time_row(c: Contender, batch: dict[str, Tensor], row: dict[str, Any]) -> dict[str, Any]:
+    """``kernel_time`` of one step of ``c``, also as the row's ``device_ms``; or why it could not. Stepped,
+    never replayed (a replay hides its kernels from the profiler), before ``measure`` warms up: a graph
+    mode's row gets the kernels its graph captures (the eager step's, or the compiled loss's)."""
+    c.train_step(batch)  # a compiled step's first call compiles
+    try:
+        k = kernel_time(lambda: c.train_step(batch), batch["input_ids"].device)
+    except RuntimeError as e:  # recorded, not fatal to the timings
+        return {"error": str(e)[:200]}
+    row["device_ms"] = k["device_ms"]
+    return k
 
 
 def _kernels_row(c: Contender, batch: dict[str, Tensor]) -> dict[str, Any]:
@@ -234,8 +251,9 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
     # inductor's compiled rows also count their graphs' kernels (on the CPU its C++ kernels must be
     # compiled to record themselves)
     counting = args.compile_backend == "inductor" and any(m.startswith("compiled") for m in wanted or ())
+    kernels: dict[str, Any] = {}
     with kernel_profile() if counting else contextlib.nullcontext():
-        rows = _rows(args, device, steps, sizes, wanted, counting)
+        rows = _rows(args, device, steps, sizes, wanted, counting, kernels)
     dev = device.type
     # with every contender recomputing its blocks in backward the metrics are another comparison: named apart
     suffix = "_recompute" if args.recompute else ""
@@ -249,6 +267,8 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
                   (f"speedup_vs_dense_b32_{dev}_fp32", 2.0), (f"speedup_vs_dense_b32_{dev}_bf16", 1.5),
                   (f"speedup_vs_galore_b1_{dev}", 2.0), (f"memory_ratio_galore_over_comera_b1_{dev}", 9.0))},
               "recompute": args.recompute,
+              # --profile: per row at the largest batch, its step's kernels' time by kind
+              "kernel_time": kernels,
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike
               "cublas_workspace_env": {k: os.environ.get(k) for k in CUBLAS_WORKSPACE_ENV},

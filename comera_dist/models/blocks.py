@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +136,7 @@ def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factor
     return x
 
 
-def _recompute_context(model: nn.Module) -> dict[str, Callable[[], tuple[ContextManager, ContextManager]]]:
+def _recompute_context(model: nn.Module) -> dict[str, Callable[[], tuple[AbstractContextManager, AbstractContextManager]]]:
     """``checkpoint``'s ``context_fn`` entering the model's ``RECOMPUTE_CONTEXT`` around recomputation,
     or nothing (no such context, or traced: Dynamo accepts only selective-checkpoint contexts)."""
     enter = model.__dict__.get(RECOMPUTE_CONTEXT)

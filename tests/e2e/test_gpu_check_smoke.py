@@ -54,6 +54,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert summary["metrics"]["six-encoder-recompute"]["memory_ratio_galore_over_comera_b1_cpu_recompute"] > 0
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
+    # --profile: each row's kernels by kind, in the summary and its printout
+    profiled = {k: v for k, v in summary["kernel_time"].items() if k.startswith("six-encoder-compiled ")}
+    assert set(profiled) == {f"six-encoder-compiled {c} {m} bf16 b1" for c in ("dense", "comera")
+                             for m in ("eager", "compiled")}, summary["kernel_time"].keys()
+    assert all(k["device_ms"] > 0 for k in profiled.values())
+    assert "six-encoder-compiled comera compiled bf16 b1: kernels " in p.stdout
     rate = json.loads((out / "trainer-rate.json").read_text())["metrics"]
     # the summary reports the trainer's and the bench's step rates side by side
     assert summary["metrics"]["trainer-rate"] == rate and rate["trainer_tokens_per_s"] > 0

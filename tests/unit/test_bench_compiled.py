@@ -104,8 +104,23 @@ def test_recompute_run_names_its_metrics_apart_and_keeps_less_at_batch_1(tmp_pat
     assert peaks[True]["comera"] < peaks[False]["comera"], peaks
 
 
+def test_profile_times_each_rows_kernels_at_the_largest_batch(tmp_path):
+    out = tmp_path / "se.json"
+    assert six_encoder.main(["--smoke", "--device", "cpu", "--dtypes", "fp32", "--contenders", "dense", "comera",
+                             "--modes", "eager", "compiled", "--compile-backend", "aot_eager", "--batch-sizes", "1",
+                             "2", "--steps", "1", "--profile", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    timed = r["config"]["kernel_time"]
+    assert set(timed) == {f"{c} {m} fp32 b2" for c in ("dense", "comera") for m in ("eager", "compiled")}
+    for row in r["rows"]:
+        assert ("device_ms" in row) == (row["batch"] == 2), row
+        if row["batch"] == 2:
+            k = timed[f"{row['contender']} {row['mode']} fp32 b2"]
+            assert row["device_ms"] == k["device_ms"] > 0 and k["by_kind_ms"]["gemm"] > 0, k
+
+
 def test_row_selection_needs_the_device_comparison(capsys):
-    for flag in (["--modes", "compiled"], ["--recompute"]):
+    for flag in (["--modes", "compiled"], ["--recompute"], ["--profile"]):
         with pytest.raises(SystemExit):
             six_encoder.main(["--smoke", *flag])
         assert "--device" in capsys.readouterr().err

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from comera_dist.bench.memory_probe import SavedActivations, measure_step, run_probe, step_peak_bytes, unique_bytes
+from comera_dist.bench.memory_probe import (
+    SavedActivations,
+    measure_step,
+    run_probe,
+    step_peak_bytes,
+    unique_bytes,
+)
 
 
 def _mlp() -> nn.Module:

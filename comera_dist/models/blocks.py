@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +135,10 @@ def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factor
     return x
 
 
-def _recompute_context(model: nn.Module) -> dict[str, Callable[[], tuple[AbstractContextManager, AbstractContextManager]]]:
+ContextPair = tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]
+
+
+def _recompute_context(model: nn.Module) -> dict[str, Callable[[], ContextPair]]:
     """``checkpoint``'s ``context_fn`` entering the model's ``RECOMPUTE_CONTEXT`` around recomputation,
     or nothing (no such context, or traced: Dynamo accepts only selective-checkpoint contexts)."""
     enter = model.__dict__.get(RECOMPUTE_CONTEXT)

@@ -116,4 +116,7 @@ def main(argv: list[str]) -> int:
               "overrides": args.set, "full_run": steps >= 2000,
               "command": "python -m comera_dist.bench soak " + " ".join(argv)}
     write_result(args.json, "soak", metrics, rows, config)
+    from comera_dist.engine.distributed import leave_distributed
+
+    leave_distributed()  # as `comera pretrain` leaves: the process group destroyed, not left to exit
     return 0

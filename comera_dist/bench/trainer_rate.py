@@ -352,4 +352,7 @@ def main(argv: list[str]) -> int:
         "cudagraph_trees": {"trainer": trainer["cudagraph_trees"], "session": session["cudagraph_trees"]},
         "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
     write_result(args.json, "trainer-rate", metrics, rows, result_config)
+    from comera_dist.engine.distributed import leave_distributed
+
+    leave_distributed()  # as `comera pretrain` leaves: the process group destroyed, not left to exit
     return 0

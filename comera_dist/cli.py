@@ -86,27 +86,44 @@ def _world_size(arg: int | None) -> int:
 
 
 def pretrain(args: argparse.Namespace) -> int:
-    """``comera pretrain``: validate the config, then dry-run or train."""
-    from comera_dist.config import load_run_config
+    """``comera pretrain``: validate the config, then dry-run or train.
 
-    overrides = list(args.overrides)
-    if args.resume is not None:
-        overrides.append(f"train.resume={args.resume}")
+    A training job records Slurm's SIGUSR1 from its first line, before the seconds of imports (torch,
+    DeepSpeed) that precede ``train()``: one that arrives then stops the job at its first step with a
+    checkpoint, instead of killing the rank or being lost."""
     if args.dry_run:
-        from comera_dist.engine.summary import format_summary, run_summary
+        return _dry_run(args)
+    from comera_dist.engine.signals import START_SIGNALS, StopRequest  # imports no torch
 
-        world_size = _world_size(args.world_size)
-        cfg = load_run_config(args.config, overrides, world_size=world_size)
-        summary = run_summary(cfg, world_size=world_size)
-        print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-        return 0
-    from comera_dist.engine.distributed import leave_distributed
-    from comera_dist.engine.trainer import train
+    stop = StopRequest(START_SIGNALS)
+    try:
+        from comera_dist.config import load_run_config
+        from comera_dist.engine.distributed import leave_distributed
+        from comera_dist.engine.trainer import train
 
-    cfg = load_run_config(args.config, overrides)  # the world size is checked once ranks are known
-    status = train(cfg, resume=cfg.train.resume)  # every rank returns together (its closing barrier)
+        cfg = load_run_config(args.config, _overrides(args))  # the world size is checked once ranks are known
+        status = train(cfg, resume=cfg.train.resume, stop=stop)  # every rank returns together (closing barrier)
+    finally:
+        stop.close()
     leave_distributed()
     return status
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``comera pretrain --dry-run``: the resolved config and its batch arithmetic, nothing started."""
+    from comera_dist.config import load_run_config
+    from comera_dist.engine.summary import format_summary, run_summary
+
+    world_size = _world_size(args.world_size)
+    cfg = load_run_config(args.config, _overrides(args), world_size=world_size)
+    summary = run_summary(cfg, world_size=world_size)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` overrides, and ``--resume`` as ``train.resume``."""
+    return list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume is not None else [])
 
 
 def evaluate(args: argparse.Namespace) -> int:

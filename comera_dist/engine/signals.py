@@ -3,16 +3,13 @@
 Slurm's ``--signal=B:USR1@N`` (forwarded by ``slurm/pretrain.sh``) and launchers tearing
 a job down send these signals. The handler only records the request; the loop then
 agrees on it across ranks (``agree``), checkpoints and exits 0 so a requeued job resumes.
+Importing this module imports no torch, so an entry point can watch before its seconds of imports.
 """
 
 from __future__ import annotations
 
 import signal
 from types import FrameType
-
-import torch.distributed as dist
-
-from comera_dist.engine.device import collective_tensor
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
 START_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1,)
@@ -47,6 +44,10 @@ class StopRequest:
 
     def agree(self) -> bool:
         """True on every rank if any rank received a stop signal (one tiny all-reduce)."""
+        import torch.distributed as dist  # here, not at the top: `comera pretrain` watches before importing torch
+
+        from comera_dist.engine.device import collective_tensor
+
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return self.requested
         flag = collective_tensor([1.0 if self.requested else 0.0])  # (1,) on the accelerator (NCCL)

@@ -170,12 +170,16 @@ def _setup_logging(info: DistInfo) -> None:
              info.source)
 
 
-def train(cfg: RunConfig, *, resume: str = "auto") -> int:
+def train(cfg: RunConfig, *, resume: str = "auto", stop: StopRequest | None = None) -> int:
     """Run the job described by ``cfg`` in this process (one rank); returns the exit status.
 
-    A SIGUSR1 is recorded from the first line (``signals.START_SIGNALS``): one that arrives while the
-    job starts up (process group, data, model, resume: minutes for a large model) stops it at the
-    first step boundary with a checkpoint, as one during training does."""
+    A SIGUSR1 is recorded from the first line (``signals.START_SIGNALS``), or earlier through ``stop``
+    (``comera pretrain`` watches before its imports): one that arrives while the job starts up
+    (process group, data, model, resume: minutes for a large model) stops it at the first step
+    boundary with a checkpoint, as one during training does. A ``stop`` passed in is the caller's to
+    close."""
+    if stop is not None:
+        return _train(cfg, resume, stop)
     stop = StopRequest(START_SIGNALS)
     try:
         return _train(cfg, resume, stop)

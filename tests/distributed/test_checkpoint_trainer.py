@@ -115,3 +115,32 @@ def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
                for line in log), log
     assert "resumed at step 3" in log and any(line.startswith("step 6/6") for line in log), log
     assert (out / "checkpoints" / "latest").read_text() == tag_for(6)
+
+
+def _usr1_before_train_job(rank: int, world_size: int, outdir: str) -> dict:
+    """``comera pretrain`` on this rank; rank 1 gets Slurm's SIGUSR1 while it loads its config, after the
+    entry point began and before ``train()`` runs (the window of torch's and DeepSpeed's imports)."""
+    import signal
+
+    from comera_dist import config
+
+    real = config.load_run_config
+
+    def load_and_warn(*a, **k):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # Python's default: the rank dies of it (-10)
+        return real(*a, **k)
+
+    config.load_run_config = load_and_warn
+    return _resume_job(rank, world_size, outdir, 50, 1)
+
+
+def test_sigusr1_before_train_stops_the_job_at_its_first_step(tmp_path):
+    out = tmp_path / "run"
+    results = run_ranks(_usr1_before_train_job, tmp_path / "w", str(out))
+    assert [r["status"] for r in results] == [0, 0], results[1]["log"][-10:]
+    assert "stop requested (SIGUSR1): checkpointing at step 1" in results[1]["log"], results[1]["log"]
+    log = results[0]["log"]
+    assert "stop requested (peer): checkpointing at step 1" in log, log[-10:]  # rank 0 learns it from rank 1
+    assert not any(line.startswith("step 2/") for line in log), log
+    assert (out / "checkpoints" / "latest").read_text() == tag_for(1)

@@ -70,6 +70,14 @@ def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
     forward_dense = dense_tt_flops + _linear_flops(model) + attn + sum(2 * h.in_features * h.out_features
                                                                         for h in heads)
 
+    # model.activation_checkpointing runs every block's forward once more, in backward
+    recomputed = recomputed_dense = 0
+    if cfg.model.activation_checkpointing:
+        blocks = model.get_submodule("blocks")
+        in_blocks = [r for r in report["layers"].values() if r["layer_kind"] in ENCODER_KINDS]
+        recomputed = sum(r["flops_per_token"] for r in in_blocks) + _linear_flops(blocks) + attn
+        recomputed_dense = sum(2 * r["dense_params"] for r in in_blocks) + _linear_flops(blocks) + attn
+
     sizes = solve_batch_sizes(cfg.deepspeed, world_size)
     lrs = [g["lr"] for g in param_groups(model, cfg.comera.lr)]
     ds = to_deepspeed_dict(cfg.deepspeed, world_size, total_steps=cfg.train.steps, group_lrs=lrs,
@@ -89,8 +97,9 @@ def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
         "encoder_dense_params": encoder_dense,
         "compression": {"ratio_model": report["compression_ratio_model"],
                         "ratio_tensorized": report["compression_ratio_tensorized"]},
-        "flops_per_token": {"forward": forward, "forward_dense": forward_dense, "train": 3 * forward,
-                            "train_dense": 3 * forward_dense},
+        "flops_per_token": {"forward": forward, "forward_dense": forward_dense,
+                            "train": 3 * forward + recomputed, "train_dense": 3 * forward_dense + recomputed_dense,
+                            "recomputed": recomputed},
         "layers": report["layers"],
         "deepspeed": ds,
         "config": resolved_dict(cfg),
@@ -108,7 +117,8 @@ def format_summary(s: dict[str, Any]) -> str:
          f"{p['leftover']:,}; gates {p['gates']:,})"),
         f"compression: {c['ratio_model']:.2f}x whole model, {c['ratio_tensorized']:.2f}x tensorized layers",
         (f"FLOPs/token: forward {f['forward']:,} (dense {f['forward_dense']:,}), "
-         f"train ~{f['train']:,} (dense ~{f['train_dense']:,})"),
+         f"train ~{f['train']:,} (dense ~{f['train_dense']:,})"
+         + (f", with the blocks' forward recomputed (+{f['recomputed']:,})" if f["recomputed"] else "")),
     ]
     for kind in KINDS:
         if kind in s["tt_params_by_kind"]:

@@ -35,6 +35,17 @@ def test_six_encoder_dry_run_sizes(capsys):
     assert s["flops_per_token"]["forward"] < s["flops_per_token"]["forward_dense"] / 10
 
 
+def test_dry_run_counts_the_recomputed_blocks_in_the_training_flops(capsys):
+    plain = _dry_run(capsys)["flops_per_token"]
+    f = _dry_run(capsys, "--set", "model.activation_checkpointing=true")["flops_per_token"]
+    assert plain["recomputed"] == 0 and plain["train"] == 3 * plain["forward"]
+    # the blocks' forward (TT projections and attention products) once more; embedding, pooler, head not
+    assert f["forward"] == plain["forward"] and 0 < f["recomputed"] < f["forward"]
+    assert f["train"] == 3 * f["forward"] + f["recomputed"]
+    attn = 4 * 128 * 768 * 6  # score and value products, seq 128, d 768, 6 blocks
+    assert f["recomputed"] > attn
+
+
 def test_dry_run_resolves_deepspeed_for_world_size(capsys):
     s = _dry_run(capsys, "--world-size", "8")
     ds = s["deepspeed"]

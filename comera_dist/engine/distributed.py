@@ -8,6 +8,7 @@ discovery), and as a plain single process.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -135,3 +136,7 @@ def leave_distributed() -> None:
     """
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # What still holds a group (a destroyed engine's reference cycles) is freed now, while the interpreter
+    # is whole; left to its teardown, gloo's threads meet a half-finalized interpreter (PyTorch's own
+    # analysis of that abort: pytorch/pytorch pull 179291).
+    gc.collect()

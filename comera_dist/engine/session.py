@@ -421,6 +421,14 @@ class TrainSession:
         """Load ``auto`` | ``none`` | a checkpoint path (collective); see ``engine.resume.resume``."""
         return resume_mod.resume(self, spec)
 
+    def close(self) -> None:
+        """Destroy the engine once the job is done (every rank, before the process group goes): DeepSpeed
+        keeps global references to it (its backward hooks), so without this the engine, its optimizer
+        and the process groups they hold live until the interpreter is torn down."""
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+
     def _replace_engine(self, model: nn.Module) -> None:
         """Destroy the engine and build a fresh one around ``model`` for this job's world size and stage."""
         old = self.engine

@@ -274,6 +274,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which
     # would kill rank 0 in the middle of writing the report.
     tdist.barrier()
+    session.close()
     return status
 
 

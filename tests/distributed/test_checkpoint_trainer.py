@@ -98,8 +98,15 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int)
         "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false"]
     argv = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--resume", "auto"]
     status = pretrain_main(argv + [a for o in overrides for a in ("--set", o)])
-    # a finished job leaves its process group itself, not to interpreter exit (engine.distributed.leave_distributed)
-    return {"status": status, "log": records.lines, "group_left": not torch.distributed.is_initialized()}
+    # a finished job leaves its process group itself, not to interpreter exit (engine.distributed.leave_distributed),
+    # and at ZeRO 0-2 nothing keeps its engine (with the groups its optimizer holds) alive until then
+    import gc
+
+    import deepspeed
+
+    engines = sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())
+    return {"status": status, "log": records.lines, "group_left": not torch.distributed.is_initialized(),
+            "engines_alive": engines}
 
 
 def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
@@ -107,8 +114,10 @@ def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
     out = tmp_path / "run"
     first = run_ranks(_resume_job, tmp_path / "w1", str(out), 3, 1)
     assert [r["status"] for r in first] == [0, 0]
-    assert all(r["group_left"] for r in first)
+    assert all(r["group_left"] and r["engines_alive"] == 0 for r in first), first[0]["engines_alive"]
     [again] = run_ranks(_resume_job, tmp_path / "w2", str(out), 6, 3, world_size=1)
+    # (here, at ZeRO 3 after an elastic resume, closures inside DeepSpeed keep two engines alive past destroy():
+    # docs/NOTES.md)
     assert again["status"] == 0 and again["group_left"], again["log"][-10:]
     log = again["log"]
     assert any("elastic resume from" in line and "2 rank(s) at ZeRO 1 -> 1 rank(s) at ZeRO 3" in line

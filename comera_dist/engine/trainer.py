@@ -178,13 +178,13 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop: StopRequest | None = No
     (process group, data, model, resume: minutes for a large model) stops it at the first step
     boundary with a checkpoint, as one during training does. A ``stop`` passed in is the caller's to
     close."""
-    if stop is not None:
-        return _train(cfg, resume, stop)
-    stop = StopRequest(START_SIGNALS)
+    own = stop is None
+    stop = StopRequest(START_SIGNALS) if own else stop
     try:
         return _train(cfg, resume, stop)
     finally:
-        stop.close()  # the handlers the process had before (a USR1 during exit must not kill the rank)
+        if own:
+            stop.close()  # the handlers the process had before (a USR1 during exit must not kill the rank)
 
 
 def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
@@ -48,10 +49,37 @@ class SelfAttention(nn.Module):
                 mask = mask & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (B, 1, T, T)
             # A query always sees itself, so a row of only padding keys gives no NaN (its output is unused).
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # (B, 1, T, T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=self.causal and mask is None)  # (B, h, T, C/h)
+        dropout_p, is_causal = self.dropout if self.training else 0.0, self.causal and mask is None
+        v = _own_storage_for_math_path(q, k, v, mask, dropout_p, is_causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                           is_causal=is_causal)  # (B, h, T, C/h)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return project(self.out, y, factors)
+
+
+def _own_storage_for_math_path(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+                               is_causal: bool) -> Tensor:
+    """``v`` (B, h, T, C/h), copied into its own storage when SDPA's math path would keep a view of a larger one.
+
+    The math path (the CPU's, with dropout on) scales q and k into new tensors and keeps ``v`` for backward
+    as its batched product reads it, ``(B*h, T, C/h)``: a view of ``v`` where the two batch dimensions merge
+    (batch 1), else a copy. With shared TT factors Q, K and V are views of one ``(3, B, T, C)`` output
+    (``contract.tt_linear_lr_shared``), so at batch 1 that view would keep all three: a copy of ``v`` lets
+    the rest go, 2 of 3 parts per block (measured with saved-tensor hooks,
+    ``tests/unit/test_models_attention_memory.py``). The fused kernels (flash, memory-efficient) keep q, k
+    and v alike, and then nothing is copied. Not under ``torch.compile``, whose partitioner decides what
+    the graph keeps.
+    """
+    if not (v.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return v
+    if v.untyped_storage().nbytes() <= v.numel() * v.element_size():
+        return v  # v is its own storage already
+    (b, h, _, _), stride = v.shape, v.stride()
+    if b > 1 and h > 1 and stride[0] != h * stride[1]:
+        return v  # (B*h, T, C/h) is a copy: the math path keeps that
+    if torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal) != SDPBackend.MATH.value:
+        return v
+    return v.clone()
 
 
 class FeedForward(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from comera_dist.tensor.accounting import from_right
-from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
+from comera_dist.tensor.fused import gelu_matmul, scaled_bmm, shared_input_lr
 from comera_dist.tensor.tt import build_precision, chain, matmul_operand_dtype, scale_bonds
 
 
@@ -38,16 +38,7 @@ def tt_linear_lr_shared(x: Tensor, Ls: list[Tensor], Rs: list[Tensor],
     ``kernels.dispatch.keeps_padded_ranks``) and all or none have a bias, the output side is one batched GEMM too,
     ``[h_1 .. h_n] [R_1 .. R_n] + b`` (``baddbmm``): 3 GEMMs become 1 in the forward, and 6 become 2 in
     the backward with one sum for the biases."""
-    h = x @ torch.cat(Ls, dim=1)  # (T, sum r_i)
-    with_bias = [b is not None for b in biases]
-    if len({tuple(R.shape) for R in Rs}) == 1 and len(set(with_bias)) == 1:
-        n, r = len(Rs), Rs[0].shape[0]
-        hs = h.view(h.shape[0], n, r).transpose(0, 1)  # (n, T, r): a strided view, no copy
-        R = torch.stack(Rs)  # (n, r, N_out)
-        out = torch.baddbmm(torch.stack(biases).unsqueeze(1), hs, R) if with_bias[0] else torch.bmm(hs, R)
-        return list(out.unbind(0))  # (T, N_out) each, contiguous
-    parts = h.split([L.shape[1] for L in Ls], dim=1)  # (T, r_i) views, rows strided by sum r_i
-    return [hi @ R if b is None else torch.addmm(b, hi, R) for hi, R, b in zip(parts, Rs, biases, strict=True)]
+    return shared_input_lr(x, Ls, Rs, biases)  # keeps the factors, not their concatenation and stack
 
 
 def tt_linear_lr_gelu(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -8,6 +8,13 @@ and block at the six-encoder's 3072-wide FFN in fp32. The FFN's out-projection t
 ``gelu_input=True``: a dense one (``layers.dense.Linear``, ``w`` its weight transposed) or a TT one
 (``TTLinear``, ``w`` its contracted input half ``L``, so only ``(T, r)`` leaves the fused op).
 
+``shared_input_lr(x, Ls, Rs, biases)``: ``x L_i R_i + b_i`` for layers reading one ``x`` (attention's Q, K,
+V), the input side as one GEMM against ``[L_1 | ... | L_n]`` and, when the layers have one shape, the output
+side as one batched GEMM against the stacked ``R_i``. Run as plain ops, autograd keeps that concatenation
+and that stack, copies of factors it keeps anyway (each ``L_i``/``R_i`` is a view of its group's
+contraction, ``layers.group``, which the block's out-projection keeps); the fused op keeps the factors and
+remakes the two copies in its backward.
+
 ``scaled_bmm(a, c, m, core_left)``: one step of a batched core chain against a gate-scaled TT core
 ``c * m``, keeping ``c`` and ``m`` but not their product. ``c`` is a view of a group's stacked cores
 (``layers.ragged``), which autograd keeps for the gate gradient anyway, so the scaled copy (as large
@@ -75,6 +82,86 @@ class _GeluMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 grad_b = grad.sum(0).to(ctx.b_dtype)  # (N,)
         return grad_u, grad_w, grad_b
+
+
+def shared_input_lr(x: Tensor, Ls: list[Tensor], Rs: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """``[x @ L_i @ R_i + b_i for each i]``; x: (T, N_in), L_i: (N_in, r_i), R_i: (r_i, N_out_i), b_i: (N_out_i,)
+    or None. Returns the (T, N_out_i), contiguous.
+
+    Forward: ``h = x [L_1 | ... | L_n]`` (T, sum r_i), one GEMM; then, when every ``R_i`` has one shape and
+    all or none have a bias, ``[h_1 .. h_n] [R_1 .. R_n] + b`` as one ``baddbmm``, else ``h_i R_i + b_i``
+    each. Keeps ``x`` and ``h`` (as autocast casts them) and the factors as given. Under autocast it
+    computes what the plain ops would: the products and biases in autocast's dtype, with its casting rule.
+    """
+    n = len(Ls)
+    if not n or len(Rs) != n or len(biases) != n:
+        raise ValueError(f"shared_input_lr needs as many L, R and biases (one per layer), got {len(Ls)}, "
+                         f"{len(Rs)} and {len(biases)}")
+    for L, R in zip(Ls, Rs, strict=True):
+        if L.dim() != 2 or R.dim() != 2 or L.shape[0] != x.shape[-1] or L.shape[1] != R.shape[0]:
+            raise ValueError(f"shared_input_lr: x {tuple(x.shape)}, L {tuple(L.shape)} and R {tuple(R.shape)} "
+                             f"do not chain as (T, N_in) (N_in, r) (r, N_out)")
+    return list(_SharedInputLR.apply(x, n, *Ls, *Rs, *biases))
+
+
+def _one_output_shape(Rs: tuple[Tensor, ...], biases: tuple[Tensor | None, ...]) -> bool:
+    return len({tuple(R.shape) for R in Rs}) == 1 and len({b is None for b in biases}) == 1
+
+
+class _SharedInputLR(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, n: int, *params: Tensor | None) -> tuple[Tensor, ...]:
+        Ls, Rs, biases = params[:n], params[n:2 * n], params[2 * n:]
+        dtype = _autocast_dtype(x) or _autocast_dtype(Ls[0])
+        ctx.n, ctx.cast, ctx.batched = n, dtype, _one_output_shape(Rs, biases)
+        ctx.dtypes = [None if t is None else t.dtype for t in params]
+        ctx.device_type = x.device.type if x.device.type in ("cpu", "cuda") else "cpu"
+        with torch.autocast(ctx.device_type, enabled=False):
+            xc = _cast(x, dtype)
+            h = xc @ _cast(torch.cat(Ls, dim=1), dtype)  # (T, sum r_i); the concatenation is a temporary
+            if ctx.batched:  # each stack cast once, as autocast casts a plain op's operand
+                R = _cast(torch.stack(Rs), dtype)  # (n, r, N_out), a temporary too
+                hs = h.view(h.shape[0], n, R.shape[1]).transpose(0, 1)  # (n, T, r): a strided view
+                out = torch.bmm(hs, R) if biases[0] is None else \
+                    torch.baddbmm(_cast(torch.stack(biases), dtype).unsqueeze(1), hs, R)
+                outs = tuple(out.unbind(0))  # (T, N_out) each
+            else:
+                parts = h.split([L.shape[1] for L in Ls], dim=1)  # (T, r_i) views
+                outs = tuple(hi @ _cast(R, dtype) if b is None else torch.addmm(_cast(b, dtype), hi, _cast(R, dtype))
+                             for hi, R, b in zip(parts, Rs, biases, strict=True))
+        ctx.save_for_backward(xc, h, *Ls, *Rs)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        n, dtype = ctx.n, ctx.cast
+        xc, h, *factors = ctx.saved_tensors
+        Ls, Rs = factors[:n], factors[n:]
+        need = ctx.needs_input_grad
+        grad_Ls: list[Tensor | None] = [None] * n
+        grad_Rs: list[Tensor | None] = [None] * n
+        grad_bs: list[Tensor | None] = [None] * n
+        with torch.autocast(ctx.device_type, enabled=False):
+            g = [t.to(h.dtype) for t in grads]  # (T, N_out_i) each
+            if ctx.batched:
+                g3 = torch.stack(g)  # (n, T, N_out)
+                R = _cast(torch.stack(Rs), dtype)  # remade: (n, r, N_out)
+                hs = h.view(h.shape[0], n, R.shape[1]).transpose(0, 1)  # (n, T, r)
+                grad_h = torch.bmm(g3, R.transpose(1, 2)).transpose(0, 1).reshape(h.shape)  # (T, n r)
+                if any(need[2 + n:2 + 2 * n]):  # (r, N_out) each, cast once
+                    grad_Rs = list(torch.bmm(hs.transpose(1, 2), g3).to(ctx.dtypes[n]).unbind(0))
+                if any(need[2 + 2 * n:]):
+                    grad_bs = list(g3.sum(1).to(ctx.dtypes[2 * n]).unbind(0))  # (N_out,) each
+            else:
+                parts = h.split([L.shape[1] for L in Ls], dim=1)
+                grad_h = torch.cat([gi @ _cast(R, dtype).T for gi, R in zip(g, Rs, strict=True)], dim=1)
+                for i, (hi, gi) in enumerate(zip(parts, g, strict=True)):
+                    grad_Rs[i] = hi.T @ gi if need[2 + n + i] else None  # (r_i, N_out_i)
+                    grad_bs[i] = gi.sum(0) if need[2 + 2 * n + i] else None
+            if any(need[2:2 + n]):
+                grad_Ls = list((xc.T @ grad_h).to(ctx.dtypes[0]).split([L.shape[1] for L in Ls], dim=1))  # views
+            grad_x = grad_h @ _cast(torch.cat(Ls, dim=1), dtype).T if need[0] else None  # remade concatenation
+        return (grad_x, None, *grad_Ls, *grad_Rs, *grad_bs)  # autograd casts each to its input's dtype
 
 
 def scaled_bmm(a: Tensor, c: Tensor, m: Tensor | None, core_left: bool) -> Tensor:

@@ -2,13 +2,15 @@
 and at batch 1 SDPA's math path (the CPU's, dropout on) keeps ``v`` as given, so ``blocks`` hands it a ``v`` of
 its own. Measured with saved-tensor hooks (``bench.memory_probe.SavedActivations``): at batch 1 the model keeps
 2 of the 3 parts less per block, with the same loss and gradients; at batch 2 the math path copies ``v`` itself,
-and nothing changes."""
+and nothing changes. On a GPU the fused attention kernels keep q, k and v alike, and nothing is copied (the CUDA
+case needs a GPU: ``launch/gpu_check.sh``'s kernel-tests run this file)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from comera_dist.bench.memory_probe import SavedActivations
 from comera_dist.compression.config import TensorizeConfig
@@ -20,8 +22,8 @@ SPEC = TensorizeConfig(num_cores=4, max_rank=3, embedding_num_cores=2, embedding
 T = 16
 
 
-def _qkv(batch: int = 1) -> tuple[torch.Tensor, ...]:
-    out = torch.randn(3, batch, T, 32, requires_grad=True) * 1.0  # one storage, as the shared side makes it
+def _qkv(batch: int = 1, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    out = torch.randn(3, batch, T, 32, device=device, requires_grad=True) * 1.0  # one storage, as the shared side makes it
     return tuple(t.view(batch, T, 2, 16).transpose(1, 2) for t in out.unbind(0))  # (B, h, T, C/h) views
 
 
@@ -79,3 +81,12 @@ def test_the_math_path_keeps_v_as_given_at_batch_1_only(batch):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     assert (v.untyped_storage().data_ptr() in saved) == (batch == 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_fused_attention_keeps_q_k_v_alike_and_v_is_not_copied(dtype):
+    q, k, v = (t.to(dtype) for t in _qkv(device="cuda"))
+    assert torch._fused_sdp_choice(q, k, v, None, 0.1, False) != SDPBackend.MATH.value
+    assert blocks._own_storage_for_math_path(q, k, v, None, 0.1, False) is v

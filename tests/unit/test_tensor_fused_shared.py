@@ -3,12 +3,16 @@
 It must equal ``x [L_1|..|L_n]`` then ``h_i R_i + b_i`` (batched when the layers have one shape), forward and
 backward, in fp64, fp32, bf16 and under autocast, and keep less for backward: the factors as given (views of
 their group's stacks), not the concatenation of the L's and the stack of the R's (saved-tensor hooks).
+The CUDA cases need a GPU (``launch/gpu_check.sh``'s kernel-tests run this file).
 """
 
 import pytest
 import torch
 
 from comera_dist.tensor.fused import shared_input_lr
+
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
 
 
 def _plain(x, Ls, Rs, biases):
@@ -28,13 +32,14 @@ CASES = {"one-shape": ((4, 4, 4), (True, True, True)), "one-shape-no-bias": ((4,
          "one-shape-some-bias": ((4, 4, 4), (True, False, True)), "ragged": ((4, 2, 3), (True, False, True))}
 
 
-def _operands(ranks, biased, dtype=torch.float64, n_in=10, n_out=12, seed=0):
+def _operands(ranks, biased, dtype=torch.float64, n_in=10, n_out=12, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(7, n_in, generator=g, dtype=dtype, requires_grad=True)
-    Ls = [torch.randn(n_in, r, generator=g, dtype=dtype, requires_grad=True) for r in ranks]
-    Rs = [torch.randn(r, n_out, generator=g, dtype=dtype, requires_grad=True) for r in ranks]
-    bs = [torch.randn(n_out, generator=g, dtype=dtype, requires_grad=True) if b else None for b in biased]
-    return x, Ls, Rs, bs
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_()
+
+    return leaf(7, n_in), [leaf(n_in, r) for r in ranks], [leaf(r, n_out) for r in ranks], \
+        [leaf(n_out) if b else None for b in biased]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -57,18 +62,19 @@ def _run(fn, x, Ls, Rs, bs, autocast=False):
     leaves = [x, *Ls, *Rs, *[b for b in bs if b is not None]]
     for t in leaves:
         t.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         ys = fn(x, Ls, Rs, bs)
     g = torch.Generator().manual_seed(9)
-    sum((y.float() * torch.randn(y.shape, generator=g)).sum() for y in ys).backward()
+    sum((y.float() * torch.randn(y.shape, generator=g).to(y.device)).sum() for y in ys).backward()
     return [y.detach() for y in ys], [t.grad for t in leaves]
 
 
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
                                             (torch.float32, True)], ids=["fp32", "bf16", "autocast"])
-def test_shared_input_lr_equals_the_plain_ops_forward_and_backward(case, dtype, autocast):
-    operands = _operands(*CASES[case], dtype=dtype)
+def test_shared_input_lr_equals_the_plain_ops_forward_and_backward(case, dtype, autocast, device):
+    operands = _operands(*CASES[case], dtype=dtype, device=device)
     fused_out, fused_grads = _run(shared_input_lr, *operands, autocast=autocast)
     plain_out, plain_grads = _run(_plain, *operands, autocast=autocast)
     for a, b in zip(fused_out, plain_out, strict=True):

@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, workdir: str, opts: dict[str, A
         params = sum(int(torch.Size(getattr(p, "ds_shape", p.shape)).numel()) for p in session.module.parameters())
         result[name] = {"bytes_by_op": by_op, "bytes_per_step": sum(by_op.values()) / opts["steps"],
                         "params": params, "report": report}
-        session.engine.destroy()
+        session.close()
     with open(Path(workdir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
 

@@ -27,7 +27,7 @@ from comera_dist.compression.pruning import PruningPlan
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.engine import elastic
 from comera_dist.engine import resume as resume_mod
-from comera_dist.engine.build import Built, construct_model, initialize
+from comera_dist.engine.build import Built, construct_model, destroy, initialize
 from comera_dist.engine.config import solve_batch_sizes
 from comera_dist.engine.device import (
     accelerator_device,
@@ -423,15 +423,16 @@ class TrainSession:
 
     def close(self) -> None:
         """Destroy the engine once the job is done (every rank, before the process group goes): DeepSpeed
-        keeps global references to it (its backward hooks), so without this the engine, its optimizer
-        and the process groups they hold live until the interpreter is torn down."""
+        keeps global references to it (its backward hooks; at ZeRO-3 its module, ``build.destroy``), so
+        without this the engine, its optimizer and the process groups they hold live until the interpreter
+        is torn down."""
         if self.engine is not None:
-            self.engine.destroy()
+            destroy(self.engine)
             self.engine = None
 
     def _replace_engine(self, model: nn.Module) -> None:
         """Destroy the engine and build a fresh one around ``model`` for this job's world size and stage."""
         old = self.engine
         self.engine = None
-        old.destroy()
+        destroy(old)
         self._use(self._initialize(self.cfg, model, self.world_size))

@@ -42,6 +42,10 @@ def _session(outdir: str, stage: int, *, late_stage_step: int = 3, dropout: floa
 
 
 def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
+    import gc
+
+    import deepspeed
+
     from comera_dist.engine.distributed import init_distributed
     from comera_dist.engine.prune import gather_full_state
 
@@ -58,8 +62,10 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
         dims_before = s.bond_dims()
         shapes_before = dict(s.module.named_modules())[LAYER].core_shapes()
         pruned = s.maybe_prune(2)
+        gc.collect()
+        alive = sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())  # the old one is gone
         after_state = gather_full_state(s.engine)
-        out[stage] = {"pruned": pruned, "dims_before": dims_before, "dims_after": s.bond_dims(),
+        out[stage] = {"pruned": pruned, "dims_before": dims_before, "dims_after": s.bond_dims(), "alive": alive,
                       "shapes_before": shapes_before,
                       "shapes_after": dict(s.module.named_modules())[LAYER].core_shapes(),
                       "before": before_loss, "after": s.evaluate(probe),
@@ -67,7 +73,7 @@ def _prune_case(rank: int, world_size: int, outdir: str) -> dict:
                       "step_before": before_state.step, "step_after": after_state.step,
                       "next": s.train_step([batch(3, rank)]).task_loss,
                       "local_shapes": {n: tuple(p.shape) for n, p in s.module.named_parameters()}}
-        s.engine.destroy()
+        s.close()
     out.update(_features(rank, world_size, outdir))
     out["bf16-check"] = _bf16_check_cases(rank, world_size, outdir)
     out["contiguous"] = _contiguous_cases(rank, world_size, outdir)
@@ -96,6 +102,7 @@ def test_prune_and_rebuild_zero1_zero3(short_runs):
         for rank in (0, 1):
             r = results[rank][stage]
             assert r["pruned"], f"z{stage} rank {rank}: no prune happened"
+            assert r["alive"] == 1, r["alive"]  # the rebuilt engine only (at ZeRO 3: engine.build.destroy)
             assert r["dims_before"][LAYER] == [4, 4, 4]
             assert r["dims_after"][LAYER] == [4, 2, 4], r["dims_after"]  # shapes shrank on every rank
             assert {k: v for k, v in r["dims_after"].items() if k != LAYER} == \

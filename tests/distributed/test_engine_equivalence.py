@@ -3,7 +3,8 @@
 The reference puts the penalty in the loss (``objective(L, rank_penalty(model))`` with autograd),
 the engine applies it to the fp32 master gradients through DeepSpeed's ``safe_*`` API: equal
 results show the two are equivalent, at every ZeRO stage, with gradient accumulation, clipping,
-per-role lrs and both controller stages (the late stage starts at step 2).
+per-role lrs and both controller stages (the late stage starts at step 2). The causal model (``gpt``, its LM
+head tied to the TTM embedding) is checked the same way at ZeRO 3.
 """
 
 from __future__ import annotations
@@ -15,22 +16,22 @@ from engine_cases import batch, factory, full_params, tiny_config
 STEPS, ACCUM = 3, 2
 
 
-def _train_all_stages(rank: int, world_size: int, outdir: str) -> dict:
+def _train_all_stages(rank: int, world_size: int, outdir: str, stages=(0, 1, 2, 3), arch: str = "bert_mlm") -> dict:
     from comera_dist.engine.distributed import init_distributed
     from comera_dist.engine.session import TrainSession
 
     init_distributed(60)
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         cfg = tiny_config(f"{outdir}/z{stage}", zero_stage=stage, steps=STEPS, accumulation=ACCUM,
-                          late_stage_step=2, gamma=0.5)
+                          late_stage_step=2, gamma=0.5, arch=arch)
         session = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         init = full_params(session)
         steps = [session.train_step([batch(step, rank, m) for m in range(ACCUM)]) for step in range(1, STEPS + 1)]
         out[stage] = {"init": init, "final": full_params(session), "steps": steps,
                       "shape_empty": [tuple(p.shape) == (0,) or p.numel() == 0
                                       for p in session.module.parameters()]}
-        session.engine.destroy()
+        session.close()
     return out
 
 
@@ -64,10 +65,8 @@ def _reference(cfg, init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def test_zero_stages_match_single_process(tmp_path):
-    results = run_ranks(_train_all_stages, tmp_path / "work", str(tmp_path / "runs"))
-    cfg = tiny_config(tmp_path / "ref", steps=STEPS, accumulation=ACCUM, late_stage_step=2, gamma=0.5)
-    for stage in (0, 1, 2, 3):
+def _assert_stages_match_reference(results: list[dict], cfg, stages) -> None:
+    for stage in stages:
         r0, r1 = results[0][stage], results[1][stage]
         ref_final, ref_losses = _reference(cfg, r0["init"])
         assert [s.stage for s in r0["steps"]] == ["early", "late", "late"]
@@ -85,6 +84,12 @@ def test_zero_stages_match_single_process(tmp_path):
         assert not bad, "\n".join(bad)
         assert [s.task_loss for s in r0["steps"]] == [s.task_loss for s in r1["steps"]]
         torch.testing.assert_close([s.task_loss for s in r0["steps"]], ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_stages_match_single_process(tmp_path):
+    results = run_ranks(_train_all_stages, tmp_path / "work", str(tmp_path / "runs"))
+    cfg = tiny_config(tmp_path / "ref", steps=STEPS, accumulation=ACCUM, late_stage_step=2, gamma=0.5)
+    _assert_stages_match_reference(results, cfg, (0, 1, 2, 3))
     # the gates actually moved under the penalty, and ZeRO-3 really partitioned the parameters
     gates = [n for n in results[0][0]["final"] if n.endswith(".gate")]
     assert gates and any(not torch.equal(results[0][0]["final"][n], torch.ones_like(results[0][0]["final"][n]))
@@ -94,3 +99,14 @@ def test_zero_stages_match_single_process(tmp_path):
     for stage in (1, 2, 3):
         for name, value in results[0][0]["init"].items():
             assert torch.equal(results[0][stage]["init"][name], value), f"z{stage} init {name}"
+
+
+def test_gpt_with_its_tied_head_at_zero3_matches_single_process(tmp_path):
+    """The causal model at ZeRO 3: its LM head reads the TTM embedding's cores (``layers.tied_head``), which
+    ZeRO-3 partitions and gathers for the embedding's forward and again for the head's."""
+    results = run_ranks(_train_all_stages, tmp_path / "work", str(tmp_path / "runs"), (3,), "gpt")
+    cfg = tiny_config(tmp_path / "ref", steps=STEPS, accumulation=ACCUM, late_stage_step=2, gamma=0.5, arch="gpt")
+    assert cfg.model.tie_word_embeddings
+    assert "lm_head.weight" not in results[0][3]["final"] and "word.core" in results[0][3]["final"]  # tied: no table
+    _assert_stages_match_reference(results, cfg, (3,))
+    assert all(results[0][3]["shape_empty"])

@@ -15,7 +15,9 @@
 # six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
 # contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor and captured (-compiled; its rows
 # also count the kernels the compiled graphs launch, graph_kernels, beside bench ops --compiled's CPU proxy),
-# and CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute);
+# CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute), and dense against
+# CoMERA with its grouped factors at their own middle rank (-align1: COMERA_RANK_ALIGN=1; by default it is padded to a
+# multiple of 8);
 # bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml, 1 GPU, ZeRO 1, against the bare
 # CoMERA step of the same model and batch), eager, then with every parameter its own tensor
 # (-unpacked: deepspeed.pack_vectors=false), in bf16 without DeepSpeed's per-gradient overflow check
@@ -27,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -ge 1 ] || { sed -n '3,25p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '3,27p' "$0" >&2; exit 2; }
 OUT=$1; shift
 MODE=gpu
 if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
@@ -67,6 +69,8 @@ if [ "$MODE" = gpu ]; then
   # 162504: the RNG state is read during capture), so the compiled graph (RNG functionalised) runs beside it
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --recompute --modes eager graph compiled-graph
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 10)
+  # what padding the middle rank to a multiple of 8 buys (the default): the same step at the factors' own rank
+  BENCH_SIX_ALIGN1=(-m comera_dist.bench six-encoder --contenders dense comera --batch-sizes 1 32 --steps 10)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --config configs/six-encoder-mlm.yaml --set data.max_files=300 --steps 30 --skip 5)
   GRAPHS_BACKEND=inductor
   T_KTEST=150 T_RUN=90 T_BENCH=120
@@ -88,6 +92,8 @@ else
                       --contenders dense comera --batch-sizes 1 --steps 1 --compile-backend aot_eager --profile)
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --smoke --device cpu --recompute --modes eager compiled
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 1 --compile-backend aot_eager)
+  BENCH_SIX_ALIGN1=(-m comera_dist.bench six-encoder --smoke --device cpu --contenders dense comera --batch-sizes 1
+                    --dtypes fp32 --steps 1)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)
   GRAPHS_BACKEND=aot_eager  # the plumbing only: inductor's C++ code generation takes minutes on a CPU
   T_KTEST=120 T_RUN=120 T_BENCH=90
@@ -105,7 +111,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -187,6 +193,8 @@ run_step bench-six-encoder-compiled $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_COMP
   --json "$OUT/six-encoder-compiled.json"
 run_step bench-six-encoder-recompute $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_RECOMPUTE[@]}" \
   --json "$OUT/six-encoder-recompute.json"
+run_step bench-six-encoder-align1 "$T_BENCH" env COMERA_RANK_ALIGN=1 "$PYTHON" "${BENCH_SIX_ALIGN1[@]}" \
+  --json "$OUT/six-encoder-align1.json"
 run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"
 # the same with every parameter its own tensor (deepspeed.pack_vectors=false): what packing buys (143 -> 6 tensors)
 run_step trainer-rate-unpacked "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.pack_vectors=false \

@@ -37,6 +37,7 @@ from comera_dist.compression.config import ControllerConfig, LrConfig, Tensorize
 from comera_dist.compression.controller import RankController
 from comera_dist.compression.groups import param_groups
 from comera_dist.compression.penalty import rank_penalty
+from comera_dist.kernels import dispatch
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.presets import (
@@ -269,6 +270,7 @@ def main(argv: list[str]) -> int:
         metrics[f"memory_ratio_dense_over_comera_b{b}"] = by["dense"]["peak_tensor_MiB"] / by["comera"]["peak_tensor_MiB"]
     config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "target": {"speedup_vs_dense_b32": 5.0}, "profile_batch": b_top, "profile": profiles,
-              "threads": torch.get_num_threads(), "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
+              "threads": torch.get_num_threads(), "rank_align": dispatch.aligned_rank(1),
+              "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

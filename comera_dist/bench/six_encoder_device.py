@@ -50,6 +50,7 @@ from comera_dist.bench.six_encoder import (
     random_batch,
     time_steps,
 )
+from comera_dist.kernels import dispatch
 
 DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
@@ -272,6 +273,8 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike
               "cublas_workspace_env": {k: os.environ.get(k) for k in CUBLAS_WORKSPACE_ENV},
+              # CoMERA's grouped factors padded to a middle rank that is a multiple of this (COMERA_RANK_ALIGN)
+              "rank_align": dispatch.aligned_rank(1),
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     metrics = {k + suffix: v for k, v in metrics_of(rows, sizes, dev).items()}
     write_result(args.json, "six-encoder", metrics, rows, config)

@@ -108,6 +108,30 @@ def static_shapes() -> Iterator[None]:
         _static = previous
 
 
+RANK_ALIGN = 8
+"""Default of ``COMERA_RANK_ALIGN``: the middle rank a group's ``L``/``R`` are zero-padded up to a multiple of."""
+
+
+def aligned_rank(r: int) -> int:
+    """``r`` rounded up to a multiple of ``COMERA_RANK_ALIGN`` (default ``RANK_ALIGN``, 8; 1 turns it off).
+
+    ``layers.group`` pads each group's contracted ``L`` with zero columns and ``R`` with zero rows up to it:
+    ``(x L) R`` is unchanged, and the token GEMMs (``x L``, ``h R`` and their backward) get dimensions that
+    are multiples of 8. On this project's 2-core CPU a rank of 30 made those GEMMs 1.3-2.1x slower than 32
+    (``docs/bench/raw/rank-align-cpu.txt``); NVIDIA's guidance for fp16/bf16 tensor cores asks for multiples
+    of 8 too (not measured on a GPU here). The price is the padding's FLOPs (at most 7 ranks) and one pad
+    per group and half.
+    """
+    raw = os.environ.get("COMERA_RANK_ALIGN", str(RANK_ALIGN))
+    try:
+        align = int(raw)
+    except ValueError:
+        align = 0
+    if align < 1:
+        raise ValueError(f"COMERA_RANK_ALIGN={raw!r} must be a positive integer (1: no padding)")
+    return -(-r // align) * align
+
+
 def host_work_ok(t: Tensor) -> bool:
     """Whether data-dependent host work on ``t`` is free: a CPU tensor, in eager mode, outside
     ``static_shapes()``. Elsewhere such work (``int(t.max())``, ``torch.unique``) would stall the

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.kernels import dispatch
@@ -115,7 +116,8 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
              cut: bool = True) -> tuple[Tensor, ...]:
     """Stack the group's cores/gates/thresholds (zero-padded where ranks differ), mask, contract:
     ``(*L_i, *R_i, sum m(g), #alive)`` with each ``L_i``/``R_i`` at layer ``i``'s own middle rank when
-    ``cut``, else at the group's (``kernels.dispatch.keeps_padded_ranks``: the padding is exact zeros).
+    ``cut``, else at the group's (``kernels.dispatch.keeps_padded_ranks``: the padding is exact zeros);
+    either rounded up to ``kernels.dispatch.aligned_rank`` with zeros too.
 
     ``params`` is ``(core, gate, tau)`` per layer, ``shapes[i]`` layer ``i``'s core shapes."""
     cores = padded_cores([params[3 * i] for i in range(G)], shapes)  # (G, r, n_k, r') per core
@@ -128,12 +130,15 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
     count = alive.sum().to(total.dtype)  # () surviving entries
     widths = [max(b[k] for b in bonds) for k in range(len(shapes[0]) - 1)]
     L, R = contract.contract_halves_batched(cores, list(m.split(widths, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
+    width = dispatch.aligned_rank(widths[d - 1])
+    if width != widths[d - 1]:  # zero columns of L, zero rows of R: (x L) R is unchanged, its GEMMs aligned
+        L, R = F.pad(L, (0, width - widths[d - 1])), F.pad(R, (0, 0, 0, width - widths[d - 1]))
     Ls, Rs = L.unbind(0), R.unbind(0)
     if not cut:
         return (*Ls, *Rs, total, count)
-    mid = [b[d - 1] for b in bonds]  # each layer's own middle rank (padding cut off)
-    Ls = [x if r == widths[d - 1] else x[:, :r] for x, r in zip(Ls, mid)]
-    Rs = [x if r == widths[d - 1] else x[:r] for x, r in zip(Rs, mid)]
+    mid = [dispatch.aligned_rank(b[d - 1]) for b in bonds]  # each layer's own middle rank, aligned
+    Ls = [x if r == width else x[:, :r] for x, r in zip(Ls, mid)]
+    Rs = [x if r == width else x[:r] for x, r in zip(Rs, mid)]
     return (*Ls, *Rs, total, count)
 
 

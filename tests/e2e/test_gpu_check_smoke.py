@@ -33,7 +33,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
-                                                     "bench-six-encoder-recompute", "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
+                                                     "bench-six-encoder-recompute", "bench-six-encoder-align1",
+                                                     "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
@@ -52,6 +53,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert {(r["contender"], r["mode"]) for r in recompute["rows"] if "error" not in r} == {
         ("comera", "eager"), ("comera", "compiled"), ("galore", "eager")}
     assert summary["metrics"]["six-encoder-recompute"]["memory_ratio_galore_over_comera_b1_cpu_recompute"] > 0
+    align1 = json.loads((out / "six-encoder-align1.json").read_text())  # the factors at their own middle rank
+    assert align1["config"]["rank_align"] == 1 and ws["config"]["rank_align"] == 8
+    assert summary["metrics"]["six-encoder-align1"]["speedup_vs_dense_b1_cpu_fp32"] > 0
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     # --profile: each row's kernels by kind, in the summary and its printout

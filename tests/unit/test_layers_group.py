@@ -1,4 +1,7 @@
-"""Shared L/R factors (``layers.group``): same-shape TT layers contracted together equal each layer's own."""
+"""Shared L/R factors (``layers.group``): same-shape TT layers contracted together equal each layer's own.
+
+These tests pin the factors at their own ranks (``COMERA_RANK_ALIGN=1``); ``test_layers_rank_align.py`` covers
+the default, each group's middle rank padded to a multiple of 8."""
 
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from comera_dist.layers.group import project, shared_factors
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 from comera_dist.tensor import contract
+
+
+@pytest.fixture(autouse=True)
+def _own_ranks(monkeypatch):
+    monkeypatch.setenv("COMERA_RANK_ALIGN", "1")
 
 
 def _layers(seed: int) -> torch.nn.ModuleList:

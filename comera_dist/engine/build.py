@@ -113,7 +113,13 @@ def _lru_cache_of(fn: Any, depth: int = 4) -> Any:
     for _ in range(depth):
         if fn is None or hasattr(fn, "cache_clear"):
             return fn
-        cells = getattr(fn, "__closure__", None) or ()
-        fn = getattr(fn, "__wrapped__", None) or next(
-            (c.cell_contents for c in cells if callable(c.cell_contents)), None)
+        inner = [v for v in map(_contents, getattr(fn, "__closure__", None) or ()) if callable(v)]
+        fn = getattr(fn, "__wrapped__", None) or next(iter(inner), None)
     return None
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None

@@ -77,7 +77,8 @@ def _own_storage_for_math_path(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     (b, h, _, _), stride = v.shape, v.stride()
     if b > 1 and h > 1 and stride[0] != h * stride[1]:
         return v  # (B*h, T, C/h) is a copy: the math path keeps that
-    if torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal) != SDPBackend.MATH.value:
+    choice = getattr(torch, "_fused_sdp_choice", None)  # torch's own pick (private: if it goes, no copy)
+    if choice is None or choice(q, k, v, mask, dropout_p, is_causal) != SDPBackend.MATH.value:
         return v
     return v.clone()
 

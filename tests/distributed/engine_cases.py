@@ -116,7 +116,7 @@ def knob_runs(outdir: str, rank: int, world_size: int, knob: str, extra: Callabl
             s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
             losses = [s.train_step([batch(step, rank, m) for m in range(accum)]).task_loss for step in (1, 2, 3)]
             out[(stage, value)] = {"losses": losses, "params": full_params(s), **extra(s)}
-            s.engine.destroy()
+            s.close()
     return out
 
 

@@ -73,7 +73,7 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
     out["dims"] = s.bond_dims()
     out["plans"] = [p.to_json() for p in s.plans]
     out["controller"] = s.controller.state_dict()
-    s.engine.destroy()
+    s.close()
     return out
 
 

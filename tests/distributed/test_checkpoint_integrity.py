@@ -63,7 +63,7 @@ def _write(rank: int, world_size: int, outdir: str) -> dict:
     safe_set_full_fp32_param(p, torch.full(p.ds_shape if hasattr(p, "ds_shape") else p.shape, float("nan")))
     out["nonfinite_save"] = s.save(10)
     out["poisoned"] = name
-    s.engine.destroy()
+    s.close()
     return out
 
 
@@ -97,7 +97,7 @@ def _resume_variants(rank: int, world_size: int, roots: dict[str, str]) -> dict:
         client = s.resume("auto")
         loss = s.train_step([batch(client["step"] + 1, rank)]).task_loss
         out[variant] = {"explicit": explicit, "client": client, "log": list(records.lines), "loss": loss}
-        s.engine.destroy()
+        s.close()
     return out
 
 

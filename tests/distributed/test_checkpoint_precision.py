@@ -47,7 +47,7 @@ def _save_and_gate(rank: int, world_size: int, outdir: str) -> dict:
             except ckpt.CheckpointError as e:
                 got["gate"] = str(e)
         out[(stage, precision)] = got
-        s.engine.destroy()
+        s.close()
     return out
 
 

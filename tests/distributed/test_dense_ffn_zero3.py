@@ -34,7 +34,7 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
         out[stage] = {"init": init, "final": full_params(session), "losses": losses, "fused": len(fused_calls),
                       "dense_out": bool(ffn_out) and all(type(m) is dense.Linear for m in ffn_out),
                       "partitioned": all(hasattr(m.weight, "ds_id") for m in ffn_out)}
-        session.engine.destroy()
+        session.close()
     dense.gelu_matmul = real
     return out
 

@@ -164,7 +164,7 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
                            "ds_skipped": s.engine.skipped_steps,
                            "steps": (steps_before, optimizer_step_count(s.engine)),
                            "check": s.engine.optimizer.check_grad_overflow}
-    s.engine.destroy()
+    s.close()
     for stage, precision, check in ((1, "bf16", True), (1, "bf16", False), (3, "bf16", False), (1, "fp32", False)):
         cfg = tiny_config(f"{outdir}/grads{stage}{precision}{check}", zero_stage=stage, precision=precision,
                           bf16_overflow_check=check)
@@ -183,7 +183,7 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
         except RuntimeError as e:
             case = {"error": str(e)}
         out[f"grads{stage}-{precision}-{'check' if check else 'nocheck'}"] = case
-        s.engine.destroy()
+        s.close()
     return out
 
 
@@ -208,7 +208,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
         out[f"nan{stage}"] = {"skipped": skipped, "unchanged": unchanged, "good": good,
                               "counts": (steps_before, steps_after_skip, optimizer_step_count(s.engine)),
                               "total": s.nonfinite_total}
-        s.engine.destroy()
+        s.close()
     # Only the second micro-batch is NaN: the first is already back-propagated into ZeRO's buffers when
     # the all-reduce reports it, so the session poisons the rest and DeepSpeed skips the step.
     for stage, precision in ((1, "fp32"), (2, "bf16"), (3, "bf16")):
@@ -230,7 +230,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
             "ds_skipped": s.engine.skipped_steps, "steps": (steps_before, optimizer_step_count(s.engine)),
             "good": s.train_step([batch(3, rank, m) for m in range(2)]), "total": s.nonfinite_total,
             "after_good": optimizer_step_count(s.engine)}
-        s.engine.destroy()
+        s.close()
     cfg = tiny_config(f"{outdir}/bf16", zero_stage=2, precision="bf16", steps=6, prune_every=4,
                       scheduler={"kind": "warmup_decay", "warmup_steps": 3})
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
@@ -248,7 +248,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
                                       for n in master_after if LAYER not in n),
                    "next": s.train_step([batch(5, rank)]).task_loss,
                    "dtype": str(next(s.module.parameters()).dtype)}
-    s.engine.destroy()
+    s.close()
     return out
 
 
@@ -373,7 +373,7 @@ def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
         at_save = _state(s)
         rows += _train(s, rank, range(SAVE_AT + 1, STEPS + 1))
         torch.save({"rows": rows, "at_save": at_save, "final": _state(s)}, Path(outdir) / f"straight{stage}-{rank}.pt")
-        s.engine.destroy()
+        s.close()
     for stage in (1, 3):
         s = _resume_session(f"{outdir}/killed{stage}", stage)
         _train(s, rank, range(1, SAVE_AT + 1))
@@ -383,7 +383,7 @@ def _straight_then_killed(rank: int, world_size: int, outdir: str) -> None:
             # Every rank writes its shards of the next checkpoint, then rank 0 dies before publishing
             # it (rank 1 fails in the next collective): `latest` must stay on the step-2 checkpoint.
             s.save(SAVE_AT + 1, before_publish=lambda tmp_dir: os.kill(os.getpid(), signal.SIGKILL))
-        s.engine.destroy()
+        s.close()
 
 
 def _resumed(rank: int, world_size: int, outdir: str) -> dict:
@@ -397,7 +397,7 @@ def _resumed(rank: int, world_size: int, outdir: str) -> dict:
         at_resume = _state(s)
         out[stage] = {"client": client, "dims": s.bond_dims(), "at_resume": at_resume,
                       "rows": _train(s, rank, range(client["step"] + 1, STEPS + 1)), "final": _state(s)}
-        s.engine.destroy()
+        s.close()
     return out
 
 

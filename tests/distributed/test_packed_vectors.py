@@ -35,7 +35,7 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
         s.train_step([batch(step, rank)])
     path = s.save(2)
     out["resume"]["straight"] = s.train_step([batch(3, rank)]).task_loss
-    s.engine.destroy()
+    s.close()
     first = path.parent.parent / "first-packing" / path.name
     layout_1 = path.parent.parent / "layout-1" / path.name
     if rank == 0:
@@ -59,7 +59,7 @@ def _cases(rank: int, world_size: int, outdir: str) -> dict:
             logger.removeHandler(handler)
         out["routes"][label] = " ".join(m for m in seen if "elastic resume" in m)
         out["resume"][label] = s.train_step([batch(3, rank)]).task_loss
-        s.engine.destroy()
+        s.close()
     return out
 
 
@@ -98,7 +98,7 @@ def _without_forward_penalty(outdir: str, rank: int, world_size: int) -> dict:
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         losses = [s.train_step([batch(step, rank, 0)]).task_loss for step in (1, 2, 3)]
         out = {"losses": losses, "params": full_params(s)}
-        s.engine.destroy()
+        s.close()
     finally:
         bert_mlm.shared_factors_and_penalty = real
     return out

@@ -31,7 +31,7 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
             out[(stage, recompute)] = {"losses": losses, "params": full_params(s),
                                        "packed": packed_of(s.module) is not None,
                                        "checkpointed": len(calls)}
-            s.engine.destroy()
+            s.close()
     return out
 
 

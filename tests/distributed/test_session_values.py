@@ -51,11 +51,11 @@ def _session_values(rank: int, world_size: int, outdir: str) -> dict:
             o = s.train_step(micro_batches(step, rank, ACCUM))
             steps.append({"before": before, "out": {k: getattr(o, k) for k in FIELDS}})
         out[stage] = {"steps": steps, "params": full_params(s), "eval": s.evaluate(_probe(rank))}
-        s.engine.destroy()
+        s.close()
     cfg = _config(outdir, 0, arch="gpt")
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
     out["gpt"] = {"params": full_params(s), "eval": s.evaluate(_probe(rank))}
-    s.engine.destroy()
+    s.close()
     return out
 
 

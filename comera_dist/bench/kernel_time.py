@@ -3,7 +3,8 @@
 A step time says how long a step took; on a GPU it does not say whether the kernels or the host's
 launches took it, nor which kernels. Here one step runs under the profiler:
 
-- on CUDA, each kernel's own duration on the device (CUPTI's record);
+- on CUDA, each kernel's own duration on the device (CUPTI's record), not the ranges that
+  ``record_function`` annotations span on the device;
 - elsewhere, each aten op's self CPU time, the CPU's stand-in for a kernel (the CPU has no launches,
   so its step time is mostly its ops' time). A composite op (``matmul``, ``linear``) keeps only its own
   dispatch time, under "other"; the ``mm`` it runs is the GEMM.
@@ -25,7 +26,7 @@ import torch
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("attention", "flash", "fmha", "sdpa")),
     ("optimizer", ("adam", "multi_tensor")),
-    ("gemm", ("gemm", "xmma", "cutlass", "cublas", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm",
+    ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm",
               "aten::addbmm")),
     ("triton", ("triton",)),
     ("norm", ("layer_norm", "layernorm")),
@@ -35,7 +36,8 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 """(kind, name fragments) in matching order: a kernel is the first kind one of whose fragments its
 lower-cased name contains ("other" if none); attention comes first, since its kernels' names contain
-"gemm" or "softmax" too."""
+"gemm" or "softmax" too. ``nvjet`` is cuBLAS's Hopper GEMM family (``nvjet_sm90_tst_...``), which an H200
+picks for bf16 products."""
 
 
 def kind_of(name: str) -> str:
@@ -65,7 +67,9 @@ def kernel_time(step: Callable[[], Any], device: torch.device, top: int = 8) -> 
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if on_cuda:
-            if event.device_type != DeviceType.CUDA:
+            # a record_function range (the optimizer's own "Optimizer.step#AdamW.step") also gets a CUDA
+            # record spanning the kernels it launched: counting it would count them twice
+            if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
                 continue
             us = event.time_range.elapsed_us()
         else:

@@ -248,6 +248,11 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
         "gradient_clipping": section.gradient_clipping,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on when it has no dataloader of its own, as here) synchronizes the
+        # device at each forward's start, from a module pre-hook that train.compile puts inside the
+        # compiled region (a graph break on CUDA), and again at each step's end. The trainer times its
+        # steps itself (tokens_per_second), so the timer only costs.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": base_lr, "betas": list(section.adam_betas), "eps": section.adam_eps,

@@ -15,6 +15,8 @@ ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize(("name", "kind"), [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
     ("aten::mm", "gemm"),
+    ("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopB_NNT", "gemm"),  # cuBLAS on an H200, bf16
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
     ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
     ("fmha_cutlassB_f32_aligned_64x64_k64_sm80", "attention"),  # a GEMM's name inside: attention first
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "softmax"),
@@ -34,15 +36,19 @@ def test_a_steps_kernels_are_timed_and_summed_by_kind(device):
     b = torch.randn(256, 256, device=device)
 
     def step():
-        for _ in range(3):
-            torch.softmax(a @ b, dim=-1)
+        with torch.profiler.record_function("a_user_range"):  # spans the kernels on CUDA: not one itself
+            for _ in range(3):
+                torch.softmax(a @ b, dim=-1)
 
     got = kernel_time(step, torch.device(device))
     assert got["device_ms"] > 0 and got["kernels"] >= 6, got  # 3 products, 3 softmaxes at least
     assert got["by_kind_ms"]["gemm"] > 0 and got["by_kind_ms"]["softmax"] > 0, got
     assert sum(got["by_kind_ms"].values()) == pytest.approx(got["device_ms"])
     top = {t["name"]: t for t in got["top"]}
-    assert sum(t["calls"] for name, t in top.items() if kind_of(name) == "gemm") == 3, top
+    assert "a_user_range" not in top, top
+    # one GEMM kernel per product, or two where cuBLAS splits K (an H200 does at 256^3: gemm + its reduce)
+    gemm_calls = sum(t["calls"] for name, t in top.items() if kind_of(name) == "gemm")
+    assert gemm_calls in (3, 6), top
 
 
 def test_a_step_without_kernels_is_refused():

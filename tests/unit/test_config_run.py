@@ -81,3 +81,4 @@ def test_deepspeed_json_is_generated():
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["weight_decay"] == 0.0
     assert ds["scheduler"]["params"]["warmup_max_lr"] == [1e-4, 1e-3]
     assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}  # no device syncs per step

@@ -31,6 +31,9 @@ TARGETS: dict[str, list[tuple[str, str, Any, str]]] = {
                       "(step time after / before pruning) / (FLOPs after / before)")],
     "ops": [("ops_ratio_comera_over_dense", "<=", 2.0, "aten ops per training step, CoMERA / dense (GPU-path proxy)"),
             ("syncs_excess_comera_over_dense", "<=", 0, "host syncs per step, CoMERA minus dense (GPU-path proxy)")],
+    "trainer-rate": [("trainer_rate_over_bench", ">=", 0.8, "the trainer's step rate / the bare eager step's"),
+                     ("trainer_rate_over_bench_graph", ">=", 0.8,
+                      "the trainer's step rate / the bare step's captured in one CUDA graph (GPU)")],
     "soak": [("rss_drift", "within", (-0.05, 0.05), "RSS, median of the last quarter / the first quarter - 1")],
 }
 

@@ -97,7 +97,8 @@ def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> di
     if not mode.endswith("graph"):
         c.train_step(batch)  # warm-up (GaLore: its first projections; compiled: the compilation)
         t = time_steps(c.train_step, batch, steps)
-        return {**t, "peak_bytes": peak_step_bytes(c, batch)}
+        peak = peak_step_bytes(c, batch)
+        return {**t, "peak_bytes": peak, "workspace_bytes": workspace_bytes(batch["input_ids"].device)}
     from comera_dist.bench.graphed import GraphedStep
 
     torch.cuda.synchronize()
@@ -111,7 +112,7 @@ def measure(c: Contender, mode: str, batch: dict[str, Tensor], steps: int) -> di
     if not torch.isfinite(torch.tensor(loss)):
         raise RuntimeError(f"graph replay gave a non-finite loss ({loss})")
     del graphed
-    return {**t, "peak_bytes": peak}
+    return {**t, "peak_bytes": peak, "workspace_bytes": workspace_bytes(batch["input_ids"].device)}
 
 
 def _baseline(device: torch.device) -> int:
@@ -131,6 +132,18 @@ def _baseline(device: torch.device) -> int:
         return 0
     _free_cublas_workspaces(device)
     return torch.cuda.memory_allocated(device)
+
+
+def workspace_bytes(device: torch.device) -> int:
+    """Bytes of the cuBLAS (and cuBLASLt) workspaces alive in the caching allocator now, found by freeing
+    them (CUDA; 0 elsewhere). They count in a row's peak; this says how much of it they are. Only between
+    measurements, as ``_free_cublas_workspaces``."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    _free_cublas_workspaces(device)
+    return before - torch.cuda.memory_allocated(device)
 
 
 def _free_cublas_workspaces(device: torch.device) -> None:
@@ -209,7 +222,8 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
                     else:
                         row.update(step_s=m["median_s"], step_min_s=m["min_s"],
                                    tokens_per_s=b * batch["input_ids"].shape[1] / m["median_s"],
-                                   peak_MiB=(m["peak_bytes"] - base) / 2**20)
+                                   peak_MiB=(m["peak_bytes"] - base) / 2**20,
+                                   workspace_MiB=m["workspace_bytes"] / 2**20)
                     rows.append(row)
                 del c
                 gc.collect()  # module reference cycles would keep the last contender's tensors

@@ -85,6 +85,8 @@ SMOKE_SETS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_l
               "comera.tensorize.embedding_max_rank=4"]
 """``--smoke``: the tiny CodeBERT shrunk as ``launch/gpu_check.sh --cpu-smoke`` shrinks it."""
 TARGET = 0.8
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+MLM_PROBABILITY = 0.15
 
 
 def targets(metrics: dict[str, float]) -> dict[str, float]:
@@ -94,8 +96,6 @@ def targets(metrics: dict[str, float]) -> dict[str, float]:
     eager step long before it keeps up with the captured one."""
     return {"trainer_rate_over_bench": TARGET} | (
         {"trainer_rate_over_bench_graph": TARGET} if "trainer_rate_over_bench_graph" in metrics else {})
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
-MLM_PROBABILITY = 0.15
 
 
 def trainer_sets(steps: int, out_dir: Path) -> list[str]:

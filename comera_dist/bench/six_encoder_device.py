@@ -54,6 +54,9 @@ from comera_dist.kernels import dispatch
 
 DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+CUBLASLT_ENV = ("DISABLE_ADDMM_CUDA_LT", "TORCH_BLAS_PREFER_CUBLASLT")
+"""torch's switches for cuBLASLt: ``addmm`` with a bias (``F.linear``'s, the TT layers' output GEMM) goes to
+cuBLASLt's bias epilogue unless the first is 1; the second prefers cuBLASLt for plain products."""
 
 
 def modes(name: str, device: torch.device, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -287,6 +290,8 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike
               "cublas_workspace_env": {k: os.environ.get(k) for k in CUBLAS_WORKSPACE_ENV},
+              # which products go to cuBLASLt, whose workspace is its own (gpu_check's -nolt step)
+              "cublaslt_env": {k: os.environ.get(k) for k in CUBLASLT_ENV},
               # CoMERA's grouped factors padded to a middle rank that is a multiple of this (COMERA_RANK_ALIGN)
               "rank_align": dispatch.aligned_rank(1),
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}

@@ -34,6 +34,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
                                                      "bench-six-encoder-recompute", "bench-six-encoder-align1",
+                                                     "bench-six-encoder-nolt",
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
@@ -56,6 +57,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     align1 = json.loads((out / "six-encoder-align1.json").read_text())  # the factors at their own middle rank
     assert align1["config"]["rank_align"] == 1 and ws["config"]["rank_align"] == 8
     assert summary["metrics"]["six-encoder-align1"]["speedup_vs_dense_b1_cpu_fp32"] > 0
+    nolt = json.loads((out / "six-encoder-nolt.json").read_text())  # no product on cuBLASLt (a no-op on the CPU)
+    assert nolt["config"]["cublaslt_env"] == {"DISABLE_ADDMM_CUDA_LT": "1", "TORCH_BLAS_PREFER_CUBLASLT": "0"}
+    assert ws["config"]["cublaslt_env"] == {"DISABLE_ADDMM_CUDA_LT": None, "TORCH_BLAS_PREFER_CUBLASLT": None}
+    assert all(r["workspace_MiB"] == 0 for r in nolt["rows"])  # the CPU has no cuBLAS workspaces
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     # --profile: each row's kernels by kind, in the summary and its printout

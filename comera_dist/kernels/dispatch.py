@@ -115,7 +115,8 @@ RANK_ALIGN = 8
 def aligned_rank(r: int) -> int:
     """``r`` rounded up to a multiple of ``COMERA_RANK_ALIGN`` (default ``RANK_ALIGN``, 8; 1 turns it off).
 
-    ``layers.group`` pads each group's contracted ``L`` with zero columns and ``R`` with zero rows up to it:
+    ``pad_rank`` pads a contracted ``L`` with zero columns and ``R`` with zero rows up to it (``layers.group``
+    for each group, ``TTLinear._halves`` for a layer contracted alone: ZeRO-3, singletons, forced orders):
     ``(x L) R`` is unchanged, and the token GEMMs (``x L``, ``h R`` and their backward) get dimensions that
     are multiples of 8. On this project's 2-core CPU a rank of 30 made those GEMMs 1.3-2.1x slower than 32
     (``docs/bench/raw/rank-align-cpu.txt``); NVIDIA's guidance for fp16/bf16 tensor cores asks for multiples
@@ -130,6 +131,19 @@ def aligned_rank(r: int) -> int:
     if align < 1:
         raise ValueError(f"COMERA_RANK_ALIGN={raw!r} must be a positive integer (1: no padding)")
     return -(-r // align) * align
+
+
+def pad_rank(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
+    """``L`` (..., N_in, r) with zero columns and ``R`` (..., r, N_out) with zero rows up to ``aligned_rank(r)``:
+    ``(x L) R`` is unchanged (exact zeros; only the GEMMs' summation blocking may differ), ``x L`` and
+    ``h R`` get an aligned inner dimension. The inputs themselves when ``r`` is aligned already."""
+    r = L.shape[-1]
+    if R.shape[-2] != r:
+        raise ValueError(f"pad_rank: L has rank {r} but R has {R.shape[-2]} (shapes {tuple(L.shape)}, {tuple(R.shape)})")
+    width = aligned_rank(r)
+    if width == r:
+        return L, R
+    return torch.nn.functional.pad(L, (0, width - r)), torch.nn.functional.pad(R, (0, 0, 0, width - r))
 
 
 def host_work_ok(t: Tensor) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.kernels import dispatch
@@ -130,9 +129,8 @@ def _batched(params: tuple[Tensor, ...], G: int, d: int, shapes: tuple[tuple[tup
     count = alive.sum().to(total.dtype)  # () surviving entries
     widths = [max(b[k] for b in bonds) for k in range(len(shapes[0]) - 1)]
     L, R = contract.contract_halves_batched(cores, list(m.split(widths, dim=1)), d)  # (G, N_in, r_d), (G, r_d, N_out)
-    width = dispatch.aligned_rank(widths[d - 1])
-    if width != widths[d - 1]:  # zero columns of L, zero rows of R: (x L) R is unchanged, its GEMMs aligned
-        L, R = F.pad(L, (0, width - widths[d - 1])), F.pad(R, (0, 0, 0, width - widths[d - 1]))
+    L, R = dispatch.pad_rank(L, R)  # zero columns of L, zero rows of R: (x L) R is unchanged, its GEMMs aligned
+    width = L.shape[-1]
     Ls, Rs = L.unbind(0), R.unbind(0)
     if not cut:
         return (*Ls, *Rs, total, count)

@@ -163,10 +163,11 @@ class TTLinear(TensorizedModule):
             raise ValueError(f"input last dim is {x.shape[-1]}, TTLinear expects in_features={self.in_features}")
 
     def _halves(self, core: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
-        """``L`` (middle mask folded in) and ``R`` from the flat cores and the gate vector (the batch-independent part)."""
+        """``L`` (middle mask folded in) and ``R`` from the flat cores and the gate vector (the batch-independent
+        part), zero-padded to the aligned middle rank (``kernels.dispatch.pad_rank``) as a group's are."""
         d = self.d
         cores, masks = self.split_cores(core), self._mask(gate)
-        return contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:])
+        return dispatch.pad_rank(contract.contract_left(cores[:d], masks[:d]), contract.contract_right(cores[d:], masks[d:]))
 
     def chosen_order(self, tokens: int, bytes_per_element: int = 4, *, gelu_input: bool = False) -> str:
         """The contraction order ``forward`` uses for ``tokens`` tokens of ``bytes_per_element``-byte

@@ -94,3 +94,40 @@ def test_ragged_ranks_that_align_alike_keep_one_batched_output_gemm(monkeypatch)
         for m, y in zip(layers, ys, strict=True):
             torch.testing.assert_close(y, m(x))
     assert counts == {"8": (1, 0), "1": (0, 3)}, counts
+
+
+@pytest.mark.parametrize("gelu_input", [False, True])
+def test_a_layer_contracted_alone_is_padded_too_and_equals_its_dense_matrix(monkeypatch, gelu_input):
+    """The per-layer ``lr`` order (ZeRO-3, singletons, forced orders) pads ``L``/``R`` as a group does, and gives
+    the densified matrix's output and gradients (x, cores, gate, bias) in fp64."""
+    monkeypatch.delenv("COMERA_RANK_ALIGN", raising=False)
+    g = torch.Generator().manual_seed(11)
+    layer = TTLinear(12, 20, in_modes=[3, 4], out_modes=[4, 5], max_rank=3, order="lr", generator=g).double()
+    with torch.no_grad():
+        layer.gate.uniform_(0.5, 1.5, generator=g)
+        layer.bias.normal_(generator=g)
+    L, R = layer._halves(layer.core, layer.gate)
+    assert L.shape == (12, 8) and R.shape == (8, 20)  # middle rank 3 -> 8
+    assert not L[:, 3:].any() and not R[3:].any() and L[:, :3].any()
+    x = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 7, 20, generator=g, dtype=torch.float64)
+    results = []
+    for order in ("lr", "dense"):
+        layer.order = order
+        (layer(x, gelu_input=gelu_input) * w).sum().backward()
+        results.append((x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+        x.grad, _ = None, layer.zero_grad()
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_pad_rank_keeps_an_aligned_rank_and_refuses_mismatched_halves(monkeypatch):
+    monkeypatch.delenv("COMERA_RANK_ALIGN", raising=False)
+    L, R = torch.randn(12, 16), torch.randn(16, 20)
+    assert dispatch.pad_rank(L, R)[0] is L  # already a multiple of 8: no copy
+    monkeypatch.setenv("COMERA_RANK_ALIGN", "1")
+    L3, R3 = torch.randn(12, 3), torch.randn(3, 20)
+    assert dispatch.pad_rank(L3, R3)[1] is R3  # padding off
+    with pytest.raises(ValueError, match=r"pad_rank: L has rank 3 but R has 4"):
+        dispatch.pad_rank(L3, torch.randn(4, 20))

@@ -32,7 +32,10 @@ def _measure(fn):
 
 @pytest.mark.parametrize("gelu_input", [False, True])
 @pytest.mark.parametrize("order", ["lr", "sequential", "dense"])
-def test_flops_and_per_token_saved_bytes_match_measurement(order, gelu_input):
+def test_flops_and_per_token_saved_bytes_match_measurement(monkeypatch, order, gelu_input):
+    # the cost model counts the layer's own ranks; the lr order's zero padding to a multiple of 8
+    # (kernels.dispatch.pad_rank, at most 7 ranks) is off here, as the model describes
+    monkeypatch.setenv("COMERA_RANK_ALIGN", "1")
     torch.manual_seed(0)
     layer = TTLinear(96, 120, num_cores=4, max_rank=6, bias=False, order=order)
     ranks = layer.full_ranks(active=False)

@@ -212,6 +212,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
             if info.rank == 0:
                 log.info("step 0/%d %s", cfg.train.steps, _format(initial))
         metrics.log(initial, step)
+        metrics.wait_for_first_scrape()  # rank 0; the others wait at the first step's collective
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()

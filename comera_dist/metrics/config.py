@@ -28,6 +28,12 @@ class MetricsConfig:
     seconds (0: stop at once). Short jobs need it: Prometheus hands file_sd changes to its scrapers
     only every 5 s, so a run of a few seconds can end before its first scrape."""
 
+    first_scrape_timeout_s: float = 0.0
+    """Before the first training step, wait until a scrape has read the starting values, for at most
+    this many seconds (0: start at once; only rank 0 waits, the others meet it at the first step's
+    collective). With ``final_scrape_timeout_s`` it gives a run of a few seconds a sample before and
+    after its steps, so ``rate()`` panels (step time, throughput) have data for it."""
+
     progress: bool = True
     """Show a tqdm progress bar (loss, tokens/s, compression ratio, stage) on rank 0."""
 
@@ -59,8 +65,9 @@ class MetricsConfig:
             raise ValueError(f"metrics.prometheus_port must be in [0, 65535], got {self.prometheus_port}")
         if self.sd_file is not None and not self.sd_file.strip():
             raise ValueError(f"metrics.sd_file must be a path or null, got {self.sd_file!r}")
-        if not 0 <= self.final_scrape_timeout_s <= 3600:
-            raise ValueError(f"metrics.final_scrape_timeout_s must be in [0, 3600], got {self.final_scrape_timeout_s}")
+        for key in ("first_scrape_timeout_s", "final_scrape_timeout_s"):
+            if not 0 <= getattr(self, key) <= 3600:
+                raise ValueError(f"metrics.{key} must be in [0, 3600], got {getattr(self, key)}")
         if self.log_every < 1:
             raise ValueError(f"metrics.log_every must be >= 1, got {self.log_every}")
         if self.compression_target is not None and not self.compression_target > 0:

@@ -117,6 +117,19 @@ class Metrics:
         if self.exporter:
             self.exporter.checkpoint(bool(ok), now)
 
+    def wait_for_first_scrape(self) -> bool:
+        """Rank 0: wait up to ``first_scrape_timeout_s`` for a scrape of the values logged so far.
+
+        Returns whether one happened (True where nothing is exported or no wait is configured).
+        """
+        if not self.exporter or self._closed or self.cfg.first_scrape_timeout_s <= 0:
+            return True
+        scraped = self.exporter.wait_for_scrape(self.cfg.first_scrape_timeout_s)
+        if not scraped:
+            log.warning("metrics: no scrape of the starting values within %.0f s (metrics.first_scrape_timeout_s); "
+                        "training anyway", self.cfg.first_scrape_timeout_s)
+        return scraped
+
     def close(self) -> None:
         """Stop the progress bar and exporter; write the report (rank 0). Safe to call twice."""
         if self._closed:

@@ -165,16 +165,20 @@ class PrometheusExporter:
             self._gauges.set("comera_checkpoint_last_success_timestamp_seconds",
                              "Unix time of the last complete checkpoint.", now)
 
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for a scrape that reads the latest values; return whether one did."""
+        deadline = time.monotonic() + timeout_s
+        while self._gauges.last_scrape <= self._gauges.last_update and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._gauges.last_scrape > self._gauges.last_update
+
     def close(self, final_scrape_timeout_s: float = 0.0) -> bool:
         """Stop serving and withdraw the target from the discovery file.
 
         With ``final_scrape_timeout_s`` > 0, first wait (at most that long) for a scrape that
         reads the latest values. Returns whether such a scrape happened.
         """
-        deadline = time.monotonic() + final_scrape_timeout_s
-        while self._gauges.last_scrape <= self._gauges.last_update and time.monotonic() < deadline:
-            time.sleep(0.05)
-        scraped = self._gauges.last_scrape > self._gauges.last_update
+        scraped = self.wait_for_scrape(final_scrape_timeout_s)
         if final_scrape_timeout_s > 0 and not scraped:
             log.warning("metrics: no scrape of the final values within %.0f s (metrics.final_scrape_timeout_s)",
                         final_scrape_timeout_s)

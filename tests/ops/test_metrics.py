@@ -39,6 +39,7 @@ def metrics(tmp_path):
     ("sd_file", " ", "metrics.sd_file must be a path or null"),
     ("compression_target", -1.0, "metrics.compression_target must be > 0 or null, got -1.0"),
     ("final_scrape_timeout_s", -1.0, "metrics.final_scrape_timeout_s must be in [0, 3600], got -1.0"),
+    ("first_scrape_timeout_s", 3601.0, "metrics.first_scrape_timeout_s must be in [0, 3600], got 3601.0"),
 ])
 def test_config_rejects_bad_values(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -206,3 +207,45 @@ def test_close_gives_up_without_scraper(tmp_path):
     t0 = time.monotonic()
     assert m.exporter.close(0.3) is False
     assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_first_scrape_wait_returns_once_the_starting_values_are_read(tmp_path):
+    import threading
+    import time
+
+    m = build_metrics(MetricsConfig(progress=False, report=False, first_scrape_timeout_s=30), rank=0, local_rank=0,
+                      world_size=1, total_steps=2, output_dir=tmp_path, run_name="start")
+    m.log({"train_loss": 2.5}, 0)
+    seen = {}
+
+    def scraper():
+        time.sleep(0.5)
+        seen.update(_scrape(m))
+
+    t = threading.Thread(target=scraper)
+    t.start()
+    t0 = time.monotonic()
+    assert m.wait_for_first_scrape() is True
+    waited = time.monotonic() - t0
+    t.join()
+    m.close()
+    assert 0.4 < waited < 10 and seen[("comera_train_loss", ())] == 2.5
+    assert seen[("comera_step_time_seconds_count", ())] == 0  # rate() panels' sample before the steps
+
+
+def test_first_scrape_wait_gives_up_and_is_off_by_default(tmp_path):
+    import time
+
+    m = build_metrics(MetricsConfig(progress=False, report=False, first_scrape_timeout_s=0.3), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="unscraped")
+    m.log({"train_loss": 1.5}, 0)
+    t0 = time.monotonic()
+    assert m.wait_for_first_scrape() is False
+    assert 0.3 <= time.monotonic() - t0 < 5
+    m.close()
+    off = build_metrics(MetricsConfig(progress=False, report=False), rank=0, local_rank=0,
+                        world_size=1, total_steps=1, output_dir=tmp_path / "off", run_name="off")
+    off.log({"train_loss": 1.5}, 0)
+    t0 = time.monotonic()
+    assert off.wait_for_first_scrape() is True and time.monotonic() - t0 < 0.2
+    off.close()

@@ -236,7 +236,7 @@ class TrainSession:
         (``zero_skips_nonfinite``). Non-finite gradients under finite losses are skipped and counted
         the same way where DeepSpeed checks them, and raise ``NonFiniteGradientsApplied`` after the
         step where it does not (``bf16_unchecked``). Lambda and stage switches are decided from the
-        all-reduced loss and size.
+        all-reduced loss and size; a skipped step leaves the rank controller as it found it.
         """
         if isinstance(micro_batches, Mapping):
             micro_batches = [micro_batches]
@@ -251,6 +251,7 @@ class TrainSession:
         if len(micro_batches) > 1 and not self.zero_skips_nonfinite and not self._all_finite(micro_batches):
             return self._skipped()
         size = self._size_tensor()  # 0-d, on the device: read back together with the first loss
+        controller_before = self.controller.state_dict()  # a skipped step leaves the controller as it was
         losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
         poisoned = False
         for i, batch in enumerate(micro_batches):
@@ -300,8 +301,10 @@ class TrainSession:
             if self.engine.was_step_applied():  # a finite norm from NaN gradients: DeepSpeed changed its check
                 raise RuntimeError("a micro-batch of this step had a non-finite loss, but DeepSpeed applied the "
                                    "step instead of skipping it; the weights may be corrupt")
+            self.controller.load_state_dict(controller_before)  # undo the first micro-batch's advance
             return self._skipped()
         if not self.engine.was_step_applied():  # finite losses, non-finite gradients: DeepSpeed skipped it
+            self.controller.load_state_dict(controller_before)
             return self._skipped()
         self.steps_done += 1
         objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)

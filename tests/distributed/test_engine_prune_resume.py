@@ -174,12 +174,13 @@ def _bf16_check_cases(rank: int, world_size: int, outdir: str) -> dict:
                                           "COMERA_FAULT_NONFINITE_KIND": "grad"})
         faults.attach(s.module)
         s.train_step([batch(1, rank)])
-        before = full_params(s)
+        before, controller_before = full_params(s), s.controller.state_dict()
         faults.arm(2)
         try:
             o = s.train_step([batch(2, rank)])
             case = {"skipped": o.skipped_nonfinite, "total": s.nonfinite_total, "ds_skipped": s.engine.skipped_steps,
-                    "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items())}
+                    "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items())
+                    and s.controller.state_dict() == controller_before}
         except RuntimeError as e:
             case = {"error": str(e)}
         out[f"grads{stage}-{precision}-{'check' if check else 'nocheck'}"] = case
@@ -220,11 +221,13 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
         s.train_step([batch(1, rank, m) for m in range(2)])
         before, steps_before = full_params(s), optimizer_step_count(s.engine)
         lrs_before = [g["lr"] for g in s.engine.optimizer.param_groups]
+        controller_before = s.controller.state_dict()
         armed["on"] = True
         skipped = s.train_step([batch(2, rank, m) for m in range(2)])
         armed["on"] = False
         out[f"late{stage}"] = {
             "skipped": skipped.skipped_nonfinite, "calls": armed["calls"],
+            "controller": (controller_before, s.controller.state_dict()),
             "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items()),
             "lrs": (lrs_before, [g["lr"] for g in s.engine.optimizer.param_groups]),
             "ds_skipped": s.engine.skipped_steps, "steps": (steps_before, optimizer_step_count(s.engine)),
@@ -277,7 +280,7 @@ def test_bf16_overflow_check_can_be_turned_off(short_runs):
         assert case["skipped"] and case["unchanged"] and case["steps"] == (1, 1)
         assert case["calls"] == 2 and case["ds_skipped"] == 0  # the probe's two forwards skipped it, not DeepSpeed
         # skipped by DeepSpeed and counted by the session: bf16 with the check, ZeRO-3 bf16 whatever the flag
-        # says, fp32 (the flag is bf16's only)
+        # says, fp32 (the flag is bf16's only); unchanged: the weights and the rank controller
         for key in ("grads1-bf16-check", "grads3-bf16-nocheck", "grads1-fp32-nocheck"):
             got = r[key]
             assert (got.get("skipped"), got.get("total"), got.get("ds_skipped"), got.get("unchanged")) == \
@@ -306,6 +309,8 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
             assert case["ds_skipped"] == 1, key  # DeepSpeed's own overflow skip did it
             assert case["unchanged"] and case["lrs"][0] == case["lrs"][1], key  # weights and LR untouched
             assert case["steps"] == (1, 1) and case["after_good"] == 2, key  # the moments too
+            # and the controller: the first micro-batch's advance (to step 2) is undone with the skip
+            assert case["controller"][0]["step"] == 1 and case["controller"][1] == case["controller"][0], key
             assert case["total"] == 1 and not case["good"].skipped_nonfinite and math.isfinite(case["good"].task_loss)
         bf16 = r["bf16"]
         assert bf16["dtype"] == "torch.bfloat16" and all(math.isfinite(v) for v in bf16["losses"])

@@ -11,19 +11,19 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
 from comera_dist.layers.group import Factors, project, project_shared_input
 from comera_dist.models.config import ModelConfig
+from comera_dist.models.cpu_dropout import Dropout, attention
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention through ``F.scaled_dot_product_attention``; Q, K, V, out are "attention" kind."""
+    """Multi-head self-attention through ``F.scaled_dot_product_attention`` (``cpu_dropout.attention`` with
+    dropout on the CPU); Q, K, V, out are "attention" kind."""
 
     def __init__(self, cfg: ModelConfig, spec: TensorizeSpec | None, *, causal: bool):
         super().__init__()
@@ -50,37 +50,9 @@ class SelfAttention(nn.Module):
             # A query always sees itself, so a row of only padding keys gives no NaN (its output is unused).
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # (B, 1, T, T)
         dropout_p, is_causal = self.dropout if self.training else 0.0, self.causal and mask is None
-        v = _own_storage_for_math_path(q, k, v, mask, dropout_p, is_causal)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                           is_causal=is_causal)  # (B, h, T, C/h)
+        y = attention(q, k, v, mask, dropout_p, is_causal)  # (B, h, T, C/h): SDPA, or the CPU's dropout path
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return project(self.out, y, factors)
-
-
-def _own_storage_for_math_path(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-                               is_causal: bool) -> Tensor:
-    """``v`` (B, h, T, C/h), copied into its own storage when SDPA's math path would keep a view of a larger one.
-
-    The math path (the CPU's, with dropout on) scales q and k into new tensors and keeps ``v`` for backward
-    as its batched product reads it, ``(B*h, T, C/h)``: a view of ``v`` where the two batch dimensions merge
-    (batch 1), else a copy. With shared TT factors Q, K and V are views of one ``(3, B, T, C)`` output
-    (``contract.tt_linear_lr_shared``), so at batch 1 that view would keep all three: a copy of ``v`` lets
-    the rest go, 2 of 3 parts per block (measured with saved-tensor hooks,
-    ``tests/unit/test_models_attention_memory.py``). The fused kernels (flash, memory-efficient) keep q, k
-    and v alike, and then nothing is copied. Not under ``torch.compile``, whose partitioner decides what
-    the graph keeps.
-    """
-    if not (v.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return v
-    if v.untyped_storage().nbytes() <= v.numel() * v.element_size():
-        return v  # v is its own storage already
-    (b, h, _, _), stride = v.shape, v.stride()
-    if b > 1 and h > 1 and stride[0] != h * stride[1]:
-        return v  # (B*h, T, C/h) is a copy: the math path keeps that
-    choice = getattr(torch, "_fused_sdp_choice", None)  # torch's own pick (private: if it goes, no copy)
-    if choice is None or choice(q, k, v, mask, dropout_p, is_causal) != SDPBackend.MATH.value:
-        return v
-    return v.clone()
 
 
 class FeedForward(nn.Module):
@@ -107,7 +79,7 @@ class BertEmbeddings(nn.Module):
         self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         nn.init.normal_(self.position.weight, std=cfg.init_std)
         if self.token_type is not None:
             nn.init.normal_(self.token_type.weight, std=cfg.init_std)
@@ -132,7 +104,7 @@ class PostLNBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ffn = FeedForward(cfg, spec)
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, keep: Tensor | None, factors: Factors | None = None) -> Tensor:
         """x: (B, T, C); keep: (B, T) bool or None; factors: shared TT factors or None -> (B, T, C)."""

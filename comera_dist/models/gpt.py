@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from comera_dist.layers.group import Factors, shared_factors_and_penalty
 from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs, run_blocks
 from comera_dist.models.config import ModelConfig
+from comera_dist.models.cpu_dropout import Dropout
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
 from comera_dist.models.token_loss import IGNORE_INDEX, token_cross_entropy
 
@@ -28,7 +29,7 @@ class PreLNBlock(nn.Module):
         self.attn = SelfAttention(cfg, spec, causal=True)
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.ffn = FeedForward(cfg, spec)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, keep: Tensor | None, factors: Factors | None = None) -> Tensor:
         """x: (B, T, C); keep: (B, T) bool or None; factors: shared TT factors or None -> (B, T, C)."""
@@ -45,7 +46,7 @@ class GPT(nn.Module):
         self.word = make_embedding(spec, cfg.vocab_size, cfg.hidden_size, init_std=cfg.init_std)
         self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         nn.init.normal_(self.position.weight, std=cfg.init_std)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(PreLNBlock(cfg, spec) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.lm_head = make_output_head(self.word, tie=cfg.tie_word_embeddings, bias=False, init_std=cfg.init_std)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from comera_dist.layers.group import project, shared_factors_and_penalty
 from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs, run_blocks
 from comera_dist.models.config import ModelConfig
+from comera_dist.models.cpu_dropout import Dropout
 from comera_dist.models.factory import TensorizeSpec, make_linear
 
 
@@ -29,7 +30,7 @@ class SixEncoderClassifier(nn.Module):
         self.embeddings = BertEmbeddings(cfg, spec)
         self.blocks = nn.ModuleList(PostLNBlock(cfg, spec) for _ in range(cfg.num_layers))
         self.pooler = make_linear(spec, "attention", cfg.hidden_size, cfg.hidden_size, init_std=cfg.init_std)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout)
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
         nn.init.normal_(self.classifier.weight, std=cfg.init_std)
         nn.init.zeros_(self.classifier.bias)

@@ -103,7 +103,7 @@ class Metrics:
             snapshot[str(layer)] = [int(r) for r in bonds]
         if not self.active or self._closed:
             return
-        self.history.ranks.append((step, snapshot))
+        self.history.add_ranks(snapshot, step)
         if self.exporter:
             self.exporter.update_ranks(snapshot)
 

@@ -40,10 +40,9 @@ def write_report(history: History, output_dir: str | Path, *, run_name: str, wor
     if best:
         lines.append(f"- best validation loss: {best[1]:.4f} at step {best[0]}")
     lines += ["", "## Final values", "", "| metric | first | last | min | max |", "|---|---|---|---|---|"]
-    for key in sorted(history.scalars):
-        vals = [v for _, v in history.scalars[key]]
-        finite = [v for v in vals if math.isfinite(v)] or [math.nan]
-        lines.append(f"| {key} | {_fmt(vals[0])} | {_fmt(vals[-1])} | {_fmt(min(finite))} | {_fmt(max(finite))} |")
+    for key, series in sorted(history.scalars.items()):
+        low, high = (history.best(key, lowest=lowest) or (None, math.nan) for lowest in (True, False))
+        lines.append(f"| {key} | {_fmt(series[0][1])} | {_fmt(series[-1][1])} | {_fmt(low[1])} | {_fmt(high[1])} |")
     if history.ranks:
         step, final = history.ranks[-1]
         first = history.ranks[0][1]

@@ -1,0 +1,90 @@
+"""``metrics.history.History``: every value of a short run; bounded, evenly thinned series for a long one, with
+the first and latest values and the extremes exact."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import tracemalloc
+
+import pytest
+
+from comera_dist.metrics.history import History
+from comera_dist.metrics.report import write_report
+
+
+def test_a_short_run_keeps_every_value_in_order():
+    h = History(max_points=10)
+    for step in range(10):
+        h.add_scalars({"loss": 10.0 - step, "lr": 0.1}, step)
+    assert h.scalars["loss"] == [(s, 10.0 - s) for s in range(10)]
+    assert h.last("loss") == 1.0 and h.best("loss") == (9, 1.0) and h.best("loss", lowest=False) == (0, 10.0)
+    assert h.last("missing") is None and h.best("missing") is None
+
+
+# (budget, values): 99 thins at the 100th and the 199th value, where the latest sampled point is an odd one
+@pytest.mark.parametrize("budget,count", [(100, 1000), (100, 1001), (100, 1024), (100, 1025), (100, 4097),
+                                          (99, 100), (99, 199), (99, 1000)])
+def test_a_long_series_is_bounded_evenly_spaced_with_its_first_latest_and_extremes(budget, count):
+    h = History(max_points=budget)
+    logged = []
+    for step in range(count):
+        value = math.sin(step) + (5.0 if step == 777 else 0.0) - (7.0 if step == 83 else 0.0)
+        logged.append((10 * step, value if step % 97 else math.nan))
+        h.add_scalars({"loss": logged[-1][1]}, 10 * step)
+    points = h.scalars["loss"]
+    assert len(points) <= budget + 1  # max_points, plus the latest value when it was not sampled
+    assert points[0][0] == 0 and math.isnan(points[0][1])  # the first value (step 0's NaN), always
+    assert points[-1][0] == 10 * (count - 1)  # the latest value, always
+    sampled = [s for s, _ in points[:-1]]
+    gaps = {b - a for a, b in itertools.pairwise(sampled)}
+    assert len(gaps) == 1, gaps  # evenly spaced
+    assert len(points) >= budget // 2  # thinned by halves: never below half the budget
+    # the extremes are exact although the steps of the spikes (83 and 777) need not be among the points
+    finite = [(s, v) for s, v in logged if math.isfinite(v)]
+    assert h.best("loss") == min(finite, key=lambda sv: sv[1]) == (830, math.sin(83) - 7.0)
+    assert h.best("loss", lowest=False) == max(finite, key=lambda sv: sv[1])
+    assert points == sorted(points) and all(p in logged or math.isnan(p[1]) for p in points)
+
+
+def test_rank_snapshots_thin_the_same_way():
+    h = History(max_points=10, max_rank_snapshots=8)
+    for step in range(0, 1000, 10):
+        h.add_ranks({"layer": [step // 10, 3]}, step)
+    ranks = h.ranks
+    assert len(ranks) <= 9 and ranks[0] == (0, {"layer": [0, 3]}) and ranks[-1] == (990, {"layer": [99, 3]})
+
+
+def test_memory_stays_bounded_over_a_long_run():
+    h = History(max_points=500)
+    keys = ("train_loss", "tokens_per_second", "step_time_seconds", "learning_rate")
+    for step in range(2000):  # past the budget: the rest must not grow the history
+        h.add_scalars({k: float(step) for k in keys}, step)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for step in range(2000, 50_000):
+        h.add_scalars({k: float(step) for k in keys}, step)
+    grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    # unbounded, 48,000 more steps of 4 keys kept about 22 MB of tuples
+    assert grown < 256 * 1024, grown
+    assert all(len(h.scalars[k]) <= 501 for k in keys)
+
+
+def test_the_report_of_a_thinned_run_gives_the_true_first_last_min_and_max(tmp_path):
+    h = History(max_points=16)
+    for step in range(1, 1001):
+        h.add_scalars({"train_loss": 2.0 + math.cos(step) + (-10.0 if step == 501 else 0.0)}, step)
+    text = write_report(h, tmp_path, run_name="long", world_size=1, total_steps=1000).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| train_loss |"))
+    first, last, low, high = (float(c) for c in row.strip("|").split("|")[1:])
+    assert first == pytest.approx(2.0 + math.cos(1), rel=1e-5) and last == pytest.approx(2.0 + math.cos(1000), rel=1e-5)
+    assert low == pytest.approx(-8.0 + math.cos(501), rel=1e-5)
+    assert high == pytest.approx(max(2.0 + math.cos(s) for s in range(1, 1001)), rel=1e-5)
+    assert "- last step logged: 1000" in text
+
+
+@pytest.mark.parametrize("name", ["max_points", "max_rank_snapshots"])
+def test_a_budget_below_two_points_is_refused(name):
+    with pytest.raises(ValueError, match=f"History.{name} must be >= 2"):
+        History(**{name: 1})

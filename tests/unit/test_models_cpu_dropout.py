@@ -121,6 +121,9 @@ def test_attention_draws_its_mask_and_runs_sdpa_where_its_path_does_not_apply():
     torch.manual_seed(5)
     keep = cpu_dropout.keep_mask((B, H, T, T), 0.5, q.device)
     torch.testing.assert_close(y, _reference(q, k, v, keep, None, 0.5), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # a forward-only pass in training mode (the finite-probe) draws the same masks
+        torch.manual_seed(5)
+        torch.testing.assert_close(cpu_dropout.attention(q, k, v, None, 0.5, False), y.detach(), rtol=0, atol=0)
     with torch.no_grad():  # no backward: SDPA (the CPU's flash kernel without dropout's mask to keep)
         assert torch.equal(cpu_dropout.attention(q, k, v, None, 0.0, False),
                            F.scaled_dot_product_attention(q, k, v))

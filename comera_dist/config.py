@@ -94,8 +94,8 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 
 
 def check_cross_sections(cfg: RunConfig) -> None:
-    """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, and the
-    tensorization vs the model dimensions."""
+    """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, the metrics' scrape
+    waits vs the process-group timeout, and the tensorization vs the model dimensions."""
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
@@ -105,6 +105,14 @@ def check_cross_sections(cfg: RunConfig) -> None:
         raise ConfigError("train.compile=true needs deepspeed.zero_stage 0, 1 or 2 (got 3): ZeRO-3 gathers each "
                           "module's parameters in forward hooks, which break the compiled graph at every module, "
                           "and torch.compile fails on them at the first forward")
+    for key in ("first_scrape_timeout_s", "final_scrape_timeout_s"):
+        wait = getattr(cfg.metrics, key)
+        if cfg.metrics.prometheus and wait >= cfg.train.process_group_timeout_s:
+            # while rank 0 waits for the scrape, the other ranks wait in a collective (the first step's, the
+            # closing barrier), which the process-group timeout would end with an error
+            raise ConfigError(f"metrics.{key}={wait} must be below train.process_group_timeout_s="
+                              f"{cfg.train.process_group_timeout_s}: the other ranks wait for rank 0 in a "
+                              "collective meanwhile")
     if cfg.comera.enabled:
         check_factorization(cfg.model, cfg.comera)
 

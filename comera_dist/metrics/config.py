@@ -32,7 +32,8 @@ class MetricsConfig:
     """Before the first training step, wait until a scrape has read the starting values, for at most
     this many seconds (0: start at once; only rank 0 waits, the others meet it at the first step's
     collective). With ``final_scrape_timeout_s`` it gives a run of a few seconds a sample before and
-    after its steps, so ``rate()`` panels (step time, throughput) have data for it."""
+    after its steps, so ``rate()`` panels (step time, throughput) have data for it. Both waits must be
+    below ``train.process_group_timeout_s`` (checked with the run config)."""
 
     progress: bool = True
     """Show a tqdm progress bar (loss, tokens/s, compression ratio, stage) on rank 0."""

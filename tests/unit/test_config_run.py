@@ -73,6 +73,16 @@ def test_compile_is_refused_at_zero3(tmp_path):
     assert load_run_config(_write(tmp_path), ["train.compile=true", "deepspeed.zero_stage=2"]).train.compile
 
 
+@pytest.mark.parametrize("key", ["first_scrape_timeout_s", "final_scrape_timeout_s"])
+def test_a_scrape_wait_must_end_before_the_process_group_timeout(tmp_path, key):
+    with pytest.raises(ConfigError, match=rf"metrics\.{key}=60\.0 must be below train\.process_group_timeout_s=60\.0"):
+        load_run_config(_write(tmp_path), [f"metrics.{key}=60.0"])
+    assert getattr(load_run_config(_write(tmp_path), [f"metrics.{key}=59.0"]).metrics, key) == 59.0
+    # nothing waits without the exporter, and a longer timeout allows a longer wait
+    load_run_config(_write(tmp_path), [f"metrics.{key}=90.0", "metrics.prometheus=false"])
+    load_run_config(_write(tmp_path), [f"metrics.{key}=90.0", "train.process_group_timeout_s=120"])
+
+
 def test_deepspeed_json_is_generated():
     section = DeepSpeedSection(zero_stage=3, micro_batch_size_per_gpu=2, precision="bf16",
                                stage3_param_persistence_threshold=0)

@@ -72,9 +72,9 @@ class History:
     max_rank_snapshots: int = MAX_RANK_SNAPSHOTS
     checkpoints: list[tuple[int, bool, float]] = field(default_factory=list)
     """``[(step, ok, unix time), ...]`` from ``Metrics.checkpoint_saved`` (one per save: not thinned)."""
-    _scalars: dict[str, _Thinned[float]] = field(default_factory=dict)
-    _extremes: dict[str, _Extremes] = field(default_factory=dict)
-    _ranks: _Thinned[dict[str, list[int]]] | None = None
+    _scalars: dict[str, _Thinned[float]] = field(default_factory=dict, init=False)
+    _extremes: dict[str, _Extremes] = field(default_factory=dict, init=False)
+    _ranks: _Thinned[dict[str, list[int]]] = field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("max_points", "max_rank_snapshots"):

@@ -177,25 +177,34 @@ def test_standard_keys_documented():
         assert f"`{key}`" in text, key
 
 
-def test_close_waits_for_a_final_scrape(tmp_path):
+def _late_scrape(m: Metrics, wait) -> tuple[bool, float, dict]:
+    """Run ``wait()`` while a scraper reads the endpoint 0.5 s later, as Prometheus does for a job of seconds:
+    (what ``wait`` returned, how long it took, every sample the scraper read)."""
     import threading
     import time
 
-    m = build_metrics(MetricsConfig(progress=False, report=False, final_scrape_timeout_s=30), rank=0, local_rank=0,
-                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="linger")
-    m.log({"train_loss": 1.5}, 1)
     seen = {}
 
-    def scraper():  # a late scraper, as Prometheus is for a job that lived only seconds
+    def scraper():
         time.sleep(0.5)
         seen.update(_scrape(m))
 
     t = threading.Thread(target=scraper)
     t.start()
     t0 = time.monotonic()
-    assert m.exporter.close(m.cfg.final_scrape_timeout_s) is True
+    got = wait()
+    waited = time.monotonic() - t0
     t.join()
-    assert 0.4 < time.monotonic() - t0 < 10 and seen[("comera_train_loss", ())] == 1.5
+    return got, waited, seen
+
+
+def test_close_waits_for_a_final_scrape(tmp_path):
+    m = build_metrics(MetricsConfig(progress=False, report=False, final_scrape_timeout_s=30), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="linger")
+    m.log({"train_loss": 1.5}, 1)
+    scraped, waited, seen = _late_scrape(m, lambda: m.exporter.close(m.cfg.final_scrape_timeout_s))
+    assert scraped is True
+    assert 0.4 < waited < 10 and seen[("comera_train_loss", ())] == 1.5
 
 
 def test_close_gives_up_without_scraper(tmp_path):
@@ -210,25 +219,12 @@ def test_close_gives_up_without_scraper(tmp_path):
 
 
 def test_first_scrape_wait_returns_once_the_starting_values_are_read(tmp_path):
-    import threading
-    import time
-
     m = build_metrics(MetricsConfig(progress=False, report=False, first_scrape_timeout_s=30), rank=0, local_rank=0,
                       world_size=1, total_steps=2, output_dir=tmp_path, run_name="start")
     m.log({"train_loss": 2.5}, 0)
-    seen = {}
-
-    def scraper():
-        time.sleep(0.5)
-        seen.update(_scrape(m))
-
-    t = threading.Thread(target=scraper)
-    t.start()
-    t0 = time.monotonic()
-    assert m.wait_for_first_scrape() is True
-    waited = time.monotonic() - t0
-    t.join()
+    scraped, waited, seen = _late_scrape(m, m.wait_for_first_scrape)
     m.close()
+    assert scraped is True
     assert 0.4 < waited < 10 and seen[("comera_train_loss", ())] == 2.5
     assert seen[("comera_step_time_seconds_count", ())] == 0  # rate() panels' sample before the steps
 

@@ -232,8 +232,9 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
 
     ``group_lrs`` are the learning rates of the parameter groups, in the order they are passed
     to ``deepspeed.initialize``. The optimizer is DeepSpeed's AdamW with ``torch_adam`` (no JIT
-    op build) and an explicit ``weight_decay``; per-role lrs ride in the parameter groups and
-    the schedulers act relative to each group's own lr.
+    op build), fused (torch's one-kernel AdamW per parameter group, on CUDA and CPU alike, as
+    ``bench six-encoder`` steps), and an explicit ``weight_decay``; per-role lrs ride in the parameter
+    groups and the schedulers act relative to each group's own lr.
     """
     if not group_lrs or not all(lr > 0 for lr in group_lrs):
         raise ValueError(f"group_lrs must be a non-empty list of positive lrs, got {group_lrs}")
@@ -256,7 +257,11 @@ def to_deepspeed_dict(section: DeepSpeedSection, world_size: int, *, total_steps
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": base_lr, "betas": list(section.adam_betas), "eps": section.adam_eps,
-                       "weight_decay": weight_decay, "torch_adam": True, "adam_w_mode": True},
+                       "weight_decay": weight_decay, "torch_adam": True, "adam_w_mode": True,
+                       # torch's default for this path is foreach on CUDA (about ten launches and their
+                       # host work per group each step) and one tensor at a time on the CPU (17 ms per
+                       # 3M-element flat partition on one core, 1.7 ms fused)
+                       "fused": True},
         },
         "zero_optimization": {"stage": section.zero_stage},
     }

@@ -8,7 +8,8 @@ The run covers each path: a step with accumulation 2 (the non-finite probe and t
 evaluation, a physical prune and rebuild, the stop-flag agreement and the peak-memory metric. It
 trains in DeepSpeed bf16 (as on a GPU), and at the end the fp32 master gates, judged by
 ``gate_alive`` with the working dtype (what R and the plan use), keep exactly the ranks the bf16
-working gates keep (what the forward mask and S use). No training step synchronizes the device through
+working gates keep (what the forward mask and S use). The AdamW inside DeepSpeed is torch's fused one.
+No training step synchronizes the device through
 DeepSpeed's accelerator (its throughput timer did, twice per step: on an H200 under ``train.compile``
 that was a graph break inside the compiled forward).
 """
@@ -32,6 +33,7 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
     from comera_dist.compression.walk import tensorized_modules
     from comera_dist.engine.device import accelerator_device
     from comera_dist.engine.distributed import init_distributed
+    from comera_dist.engine.prune import torch_optimizer
     from comera_dist.engine.session import TrainSession
     from comera_dist.engine.signals import StopRequest
     from comera_dist.engine.trainer import _peak_memory_bytes
@@ -84,7 +86,8 @@ def _guarded_run(rank: int, world_size: int, outdir: str) -> dict:
             "losses": losses, "val": val, "agreed": agreed, "peak": peak, "dims": dims,
             "pruned": len(s.plans), "sizes": sizes, "disagree": disagree, "dtypes": dtypes,
             "alive_working": sum(sum(r) for r in s.ranks().values()), "alive_masters": size_from_masters,
-            "step_syncs": sum(step_syncs)}
+            "step_syncs": sum(step_syncs),
+            "fused": [g.get("fused") for g in torch_optimizer(s.engine).param_groups]}
 
 
 def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path) -> None:
@@ -101,3 +104,6 @@ def test_every_batch_and_collective_tensor_is_on_the_accelerator(tmp_path: Path)
         assert r["disagree"] == [] and r["alive_working"] == r["alive_masters"]
         assert r["sizes"][0] == r["sizes"][1] > 0, r["sizes"]  # train_step's device-side S is S
         assert r["step_syncs"] == 0, f"rank {rank}: {r['step_syncs']} device synchronizes in 6 training steps"
+        # the rebuilt engine's AdamW too: one fused kernel per group, not foreach's launches (or, on the
+        # CPU, torch's one-tensor-at-a-time default)
+        assert r["fused"] and all(f is True for f in r["fused"]), r["fused"]

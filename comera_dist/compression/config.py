@@ -76,7 +76,8 @@ class ControllerConfig:
     late_stage_step: int | None = None
     """Optimizer step at which the late stage begins (``None``: not by step)."""
     late_stage_loss: float | None = None
-    """Switch to the late stage once the global task loss is <= this (``None``: not by loss)."""
+    """Switch to the late stage once the global task loss is <= this (``None``: not by loss). The trainer
+    compares each step's loss after the step, so the late stage begins at the step after the crossing."""
     target_ratio: float = 0.5
     """Late-stage size target ``S* = target_ratio * S(at the switch)``, in (0, 1]."""
     target_loss: float = 0.0

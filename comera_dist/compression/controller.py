@@ -11,13 +11,23 @@ GLOBAL task loss and size the engine passes (all-reduced over ranks, so every ra
 the same branch). With ``target_loss = 0`` the task gap is 1, larger than any size gap,
 so lambda stays 0: set ``target_loss`` to a reachable loss to make the late stage trade.
 
-The engine calls, per optimizer step: ``advance(step, global_loss, global_size)`` (may
-switch stage) then ``objective(...)``; the state rides in the checkpoint's client_state.
+Two ways to drive it, the same math:
+- with host numbers: ``advance(step, global_loss, global_size)`` (may switch stage) then
+  ``objective(...)``, per optimizer step (the references and benchmarks);
+- without a host read inside the step (``TrainSession``): ``begin_step(step, read_size)`` decides
+  the stage from the step number and the global task loss of the step before (``state.last_loss``;
+  S is read only on the step that switches), ``objective_on_device(...)`` decides lambda on the
+  device from the all-reduced 0-d L and S, and ``end_step(loss, lambdas)`` records the values read
+  back once after the step. A ``late_stage_loss`` switch therefore comes one step after the loss
+  crossed it; a ``late_stage_step`` switch and lambda are exactly those of ``advance``/``objective``.
+
+The state rides in the checkpoint's client_state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -45,6 +55,13 @@ class ControllerState:
     """The last late-stage lambda (0: optimise the task loss, 1: optimise size)."""
     lam_switches: int = 0
     """How many times lambda changed value in the late stage (a health metric)."""
+    last_loss: float | None = None
+    """The global task loss of the last applied step (``end_step``): what a ``late_stage_loss`` switch
+    at the next ``begin_step`` compares. Absent from checkpoints written before it existed (None)."""
+
+
+_OPTIONAL_STATE = frozenset({"last_loss"})
+"""State keys a checkpoint may lack (added later; their defaults apply)."""
 
 
 class RankController:
@@ -70,18 +87,38 @@ class RankController:
         (the engine re-captures graphs then).
         """
         _check_global(global_loss, global_size)
+        due = self._due(step, global_loss)
         self.state.step = step
+        if due:
+            self._switch(step, global_size)
+        return due
+
+    def begin_step(self, step: int, read_size: Callable[[], int]) -> bool:
+        """``advance`` for a step whose loss is not on the host yet: the switch is decided from ``step``
+        and ``state.last_loss`` (the step before's, from ``end_step``; None before the first), and
+        ``read_size()`` (a host read of the global S) is called only on the step that switches."""
+        due = self._due(step, self.state.last_loss)
+        self.state.step = step
+        if due:
+            size = read_size()
+            if not size > 0:
+                raise ValueError(f"RankController: global_size must be > 0, got {size}")
+            self._switch(step, size)
+        return due
+
+    def _due(self, step: int, global_loss: float | None) -> bool:
         if self.state.stage == "late":
             return False
         by_step = self.cfg.late_stage_step is not None and step >= self.cfg.late_stage_step
-        by_loss = self.cfg.late_stage_loss is not None and global_loss <= self.cfg.late_stage_loss
-        if not (by_step or by_loss):
-            return False
+        by_loss = (self.cfg.late_stage_loss is not None and global_loss is not None
+                   and global_loss <= self.cfg.late_stage_loss)
+        return by_step or by_loss
+
+    def _switch(self, step: int, global_size: int) -> None:
         self.state.stage = "late"
         self.state.switch_step = step
         self.state.size_at_switch = int(global_size)
         self.state.target_size = self.cfg.target_ratio * global_size
-        return True
 
     def decide_lambda(self, global_loss: float, global_size: int) -> int:
         """lambda = 1[(L - L*)/L < (S - S*)/S]; only meaningful in the late stage."""
@@ -104,11 +141,41 @@ class RankController:
         if self.state.stage == "early":
             return task_loss + self.cfg.gamma * penalty
         lam = self.decide_lambda(global_loss, global_size)
+        self._record_lambda(lam)
+        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
+        return base + (penalty if lam else task_loss)  # lam*R + (1-lam)*L with lam in {0, 1}
+
+    def objective_on_device(self, task_loss: Tensor, penalty: Tensor, *, global_loss: Tensor,
+                            global_size: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``objective`` without a host read: (the loss to back-propagate, lambda as a 0-d bool tensor, or
+        None in the early stage).
+
+        global_loss / global_size: 0-d float64 device tensors, the all-reduced mean L and S. Lambda is
+        decided on the device by the same float64 arithmetic as ``decide_lambda`` on the host (S rounded
+        half to even, as ``round``), so both give the same lambda for the same L and S. The state's
+        ``lam`` and ``lam_switches`` wait for ``end_step``.
+        """
+        task_loss, penalty = _at_least_fp32(task_loss), _at_least_fp32(penalty)
+        if self.state.stage == "early":
+            return task_loss + self.cfg.gamma * penalty, None
+        if self.state.target_size is None:
+            raise RuntimeError("RankController.objective_on_device: the late stage has not begun")
+        size = torch.round(global_size)
+        lam = (global_loss - self.cfg.target_loss) / global_loss < (size - self.state.target_size) / size
+        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
+        return base + torch.where(lam, penalty, task_loss), lam
+
+    def end_step(self, global_loss: float, lams: Sequence[int]) -> None:
+        """Record an applied step, read back once after it: its global task loss (what a loss-triggered
+        switch at the next ``begin_step`` compares) and the lambdas its micro-batches decided, in order."""
+        self.state.last_loss = float(global_loss)
+        for lam in lams:
+            self._record_lambda(int(lam))
+
+    def _record_lambda(self, lam: int) -> None:
         if self.state.lam is not None and lam != self.state.lam:
             self.state.lam_switches += 1
         self.state.lam = lam
-        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
-        return base + (penalty if lam else task_loss)  # lam*R + (1-lam)*L with lam in {0, 1}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (JSON/pickle-safe) for the checkpoint's client_state."""
@@ -117,7 +184,7 @@ class RankController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; unknown or missing keys are errors."""
         names = {f.name for f in fields(ControllerState)}
-        unknown, missing = set(state) - names, names - set(state)
+        unknown, missing = set(state) - names, names - set(state) - _OPTIONAL_STATE
         if unknown or missing:
             raise ValueError(f"RankController.load_state_dict: unknown keys {sorted(unknown)}, "
                              f"missing keys {sorted(missing)}")

@@ -117,7 +117,8 @@ class DeepSpeedSection:
     six-encoder bf16 step at ZeRO 1, most of it kernel launches on a GPU). ``false`` drops it: a
     non-finite loss still skips its step (found before any backward: with gradient accumulation, by a
     forward-only probe of every micro-batch, one extra forward each, which can cost more than the
-    check saves), but non-finite gradients under a finite loss are applied, and the run then stops
+    check saves; the global loss is then read on the host before each backward, a device sync the
+    checked step does not have), but non-finite gradients under a finite loss are applied, and the run then stops
     with exit 3 and no new checkpoint (resume from the last one). fp32 needs no such
     check: DeepSpeed finds non-finite gradients from the gradient norm it computes anyway. ZeRO-3
     skips a step with non-finite bf16 gradients either way."""

@@ -79,6 +79,25 @@ class StepOutput:
     """Global gradient norm before clipping (nan when skipped or not computed)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _AfterStep:
+    """An applied step's values, read back together (``TrainSession._after_step``)."""
+
+    losses: list[float]
+    """Each micro-batch's global task loss."""
+    lams: list[int]
+    """Each micro-batch's lambda (late stage only; empty early)."""
+    objective: float
+    penalty: float
+    grad_norm: float
+
+
+def _poison_unless_finite(global_loss: Tensor, dtype: torch.dtype) -> Tensor:
+    """0-d ``dtype``: 1 when ``global_loss`` is finite, else NaN (multiplied into the objective, it turns every
+    gradient NaN: ``torch.where`` on the objective would zero them instead)."""
+    return torch.where(torch.isfinite(global_loss), 1.0, float("nan")).to(dtype)
+
+
 def seed_everything(seed: int) -> None:
     """The same seed for torch, python and numpy on every rank."""
     random.seed(seed)
@@ -230,13 +249,18 @@ class TrainSession:
     def train_step(self, micro_batches: Sequence[Batch] | Batch) -> StepOutput:
         """One optimizer step over this rank's ``accumulation`` micro-batches. Collective.
 
-        A non-finite global loss skips the whole step (no optimizer update, no LR step) and counts
-        it: before any backward when it is the first micro-batch's (or the probe's, where DeepSpeed
-        would not skip: ZeRO 0, unchecked bf16), else by DeepSpeed's overflow skip
-        (``zero_skips_nonfinite``). Non-finite gradients under finite losses are skipped and counted
-        the same way where DeepSpeed checks them, and raise ``NonFiniteGradientsApplied`` after the
-        step where it does not (``bf16_unchecked``). Lambda and stage switches are decided from the
-        all-reduced loss and size; a skipped step leaves the rank controller as it found it.
+        Nothing between the first forward and the optimizer step reads the device back where DeepSpeed
+        checks the gradients (``zero_skips_nonfinite``, the default): the global loss and S are
+        all-reduced on the device, lambda is decided there (``RankController.objective_on_device``), and
+        a non-finite global loss turns the gradients to NaN, so ZeRO's check skips the whole step (no
+        update, no LR step, moments untouched). One host read after the step brings back the losses,
+        lambdas, objective, R and the gradient norm (``_after_step``). Non-finite gradients under finite
+        losses are skipped and counted the same way. Elsewhere (ZeRO 0, unchecked bf16) the global loss
+        is read before each backward, and a non-finite one skips the step before any backward (or, after
+        the first micro-batch, the finite-probe has ruled it out); ``NonFiniteGradientsApplied`` is raised
+        after an applied step whose gradients were not finite (``bf16_unchecked``). The stage is decided
+        from the step number and the step before's loss (``RankController.begin_step``); a skipped step
+        leaves the rank controller as it found it.
         """
         if isinstance(micro_batches, Mapping):
             micro_batches = [micro_batches]
@@ -250,94 +274,99 @@ class TrainSession:
         micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
         if len(micro_batches) > 1 and not self.zero_skips_nonfinite and not self._all_finite(micro_batches):
             return self._skipped()
-        size = self._size_tensor()  # 0-d, on the device: read back together with the first loss
+        size = self._size_tensor()  # 0-d, on the device
         controller_before = self.controller.state_dict()  # a skipped step leaves the controller as it was
-        losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
-        poisoned = False
+        if self.penalty.active:  # S comes back to the host only on the step that switches stage
+            self.controller.begin_step(self.steps_done + 1, lambda: round(self._global_mean(size)[0]))
+        global_losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
         for i, batch in enumerate(micro_batches):
             task, forward_penalty = self._forward(batch)
-            # The step's one host read before backward: the skip and the controller's lambda need it.
-            global_loss, global_size = self._global_mean(task, size)
-            if not math.isfinite(global_loss) and i == 0:
-                return self._skipped()  # nothing was back-propagated yet: the engine is untouched
-            if not math.isfinite(global_loss) and not self.zero_skips_nonfinite:
-                # Earlier micro-batches already put their gradients into the engine; returning would
-                # leave them half accumulated for the next step. The probe replays the same RNG, so
-                # only a non-deterministic forward gets here: stop with the cause, not corrupt state.
+            global_loss, global_size = self._global_mean_on_device(task, size)  # 0-d float64 each
+            if not self.zero_skips_nonfinite and not math.isfinite(float(global_loss)):
+                if i == 0:  # nothing was back-propagated yet: the engine is untouched
+                    self.controller.load_state_dict(controller_before)
+                    return self._skipped()
+                # Earlier micro-batches already put their gradients into the engine and nothing would skip
+                # the update. The probe replays the same RNG, so only a non-deterministic forward gets
+                # here: stop with the cause, not corrupt state.
                 raise RuntimeError(f"micro-batch {i} gave a non-finite loss in the real pass although the "
                                    "finite-probe found every micro-batch finite (a non-deterministic "
                                    "forward?); the step's accumulation cannot be undone")
-            if poisoned or not math.isfinite(global_loss):
-                # The rest of the step back-propagates NaN: the ZeRO optimizer finds the gradient norm
-                # non-finite at the boundary, skips the update (weights, moments, LR schedule) and
-                # clears the gradients, earlier micro-batches' included.
-                poisoned = True
-                self.engine.backward(task * float("nan"))
-                self.engine.step()
-                continue
-            if i == 0 and self.penalty.active:
-                self.controller.advance(self.steps_done + 1, global_loss, round(global_size))
             proxy = None
             if self.penalty.active:
                 if self.penalty_in_loss:
                     penalty = self._penalty(forward_penalty)  # 0-d, in the graph of the module's whole gates
                 else:
                     penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
-                objective = self.controller.objective(task, penalty, global_loss=global_loss,
-                                                      global_size=round(global_size))
+                objective, lam = self.controller.objective_on_device(task, penalty, global_loss=global_loss,
+                                                                     global_size=global_size)
+                lams += [lam] if lam is not None else []
                 r_value = penalty.detach()  # read back once, after the step
             else:
                 objective = task
+            # x1, or xNaN when the global loss is not finite: every gradient of the step turns NaN and ZeRO's
+            # check at the boundary skips the update (earlier micro-batches' gradients are cleared with it)
+            objective = objective * _poison_unless_finite(global_loss, objective.dtype)
             self.engine.backward(objective)
             if proxy is not None:
                 coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients (ZeRO-3 only)
-            losses.append(global_loss)
+            global_losses.append(global_loss)
             objectives.append(objective.detach())  # averaged over ranks once, after the step
-            lams.append(float(self.controller.lam or 0) if self.controller.stage == "late" else 0.0)
             if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
                 self.penalty.inject(coef)
             self.engine.step()
-        if poisoned:
-            if self.engine.was_step_applied():  # a finite norm from NaN gradients: DeepSpeed changed its check
-                raise RuntimeError("a micro-batch of this step had a non-finite loss, but DeepSpeed applied the "
-                                   "step instead of skipping it; the weights may be corrupt")
-            self.controller.load_state_dict(controller_before)  # undo the first micro-batch's advance
-            return self._skipped()
-        if not self.engine.was_step_applied():  # finite losses, non-finite gradients: DeepSpeed skipped it
+        if not self.engine.was_step_applied():  # a non-finite loss or non-finite gradients: DeepSpeed skipped
             self.controller.load_state_dict(controller_before)
             return self._skipped()
         self.steps_done += 1
-        objective_mean, penalty, grad_norm = self._after_step(objectives, r_value)
-        if self.bf16_unchecked and not 0 <= grad_norm < math.inf:  # DeepSpeed: inf, NaN or its -1 sentinel
+        after = self._after_step(global_losses, lams, objectives, r_value)
+        if not all(math.isfinite(v) for v in after.losses):  # the NaN gradients did not stop DeepSpeed
+            raise RuntimeError("a micro-batch of this step had a non-finite loss, but DeepSpeed applied the "
+                               "step instead of skipping it; the weights may be corrupt")
+        task_loss = sum(after.losses) / len(after.losses)
+        if self.penalty.active:
+            self.controller.end_step(task_loss, after.lams)
+        if self.bf16_unchecked and not 0 <= after.grad_norm < math.inf:  # DeepSpeed: inf, NaN or its -1 sentinel
             raise NonFiniteGradientsApplied(
-                f"step {self.steps_done}: the gradients were not finite (gradient norm {grad_norm}) although "
-                "every loss was, and the step was applied: with deepspeed.bf16_overflow_check=false nothing "
-                "checks bf16 gradients before the update. The weights are corrupt; resume from the last "
-                "checkpoint, with the check on to skip such steps")
-        return StepOutput(loss=objective_mean, task_loss=sum(losses) / len(losses), penalty=penalty,
-                          lam=lams[-1], stage=self.controller.stage, skipped_nonfinite=False,
-                          lr=float(self.engine.get_lr()[0]), grad_norm=grad_norm)
+                f"step {self.steps_done}: the gradients were not finite (gradient norm {after.grad_norm}) "
+                "although every loss was, and the step was applied: with deepspeed.bf16_overflow_check=false "
+                "nothing checks bf16 gradients before the update. The weights are corrupt; resume from the "
+                "last checkpoint, with the check on to skip such steps")
+        return StepOutput(loss=after.objective, task_loss=task_loss, penalty=after.penalty,
+                          lam=float(after.lams[-1]) if after.lams else 0.0, stage=self.controller.stage,
+                          skipped_nonfinite=False, lr=float(self.engine.get_lr()[0]), grad_norm=after.grad_norm)
 
-    def _after_step(self, objectives: Sequence[Tensor], r_value: Tensor | None) -> tuple[float, float, float]:
-        """(global mean objective, R, grad norm) of the step just taken, in one host read.
+    def _global_mean_on_device(self, task: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
+        """(L, S) averaged over ranks: one all-reduce, no host read (0-d float64 device tensors)."""
+        t = collective_stack([task, size])  # (2,) on the accelerator: NCCL refuses host tensors
+        dist.all_reduce(t)
+        t = t / self.world_size
+        return t[0], t[1]
 
-        Nothing between the first backward and the optimizer step waits for the device: the
-        objectives stay queued until here, then one all-reduce averages them over ranks, and R and
-        DeepSpeed's grad norm (a device tensor at some stages, a number or None at others) come
-        back in the same read.
+    def _after_step(self, global_losses: Sequence[Tensor], lams: Sequence[Tensor], objectives: Sequence[Tensor],
+                    r_value: Tensor | None) -> _AfterStep:
+        """The step just taken's values in one host read: every micro-batch's global loss and lambda, the
+        global mean objective, R and the gradient norm.
+
+        Nothing between the first forward and the optimizer step waits for the device (where DeepSpeed
+        checks the gradients): the values stay queued until here, then one all-reduce averages the
+        objectives over ranks, and DeepSpeed's grad norm (a device tensor at some stages, a number or
+        None at others) comes back in the same read.
         """
         mean = collective_stack(objectives).mean().reshape(1)  # (1,) this rank's mean over micro-batches
         dist.all_reduce(mean)
         norm = self.engine.get_global_grad_norm()
         rest = [t for t in (r_value, norm) if isinstance(t, Tensor)]
-        values = torch.cat([mean, collective_stack(rest)]).tolist() if rest else mean.tolist()
-        objective = values[0] / self.world_size
-        penalty = values[1] if r_value is not None else 0.0
+        values = torch.cat([mean, collective_stack([*global_losses, *lams, *rest])]).tolist()
+        n, k = len(global_losses), len(lams)
+        losses, lam_values, rest_values = values[1:1 + n], [int(v) for v in values[1 + n:1 + n + k]], values[1 + n + k:]
+        penalty = rest_values[0] if r_value is not None else 0.0
         if isinstance(norm, Tensor):
-            grad_norm = values[-1]
+            grad_norm = rest_values[-1]
         else:
             grad_norm = float("nan") if norm is None else float(norm)
-        return objective, penalty, grad_norm
+        return _AfterStep(losses=losses, lams=lam_values, objective=values[0] / self.world_size,
+                          penalty=penalty, grad_norm=grad_norm)
 
     def _skipped(self) -> StepOutput:
         self.steps_done += 1

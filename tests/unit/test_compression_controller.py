@@ -135,3 +135,82 @@ def test_bad_state_and_bad_globals_are_clear_errors():
         ctl.advance(0, global_loss=1.0, global_size=0)
     with pytest.raises(RuntimeError, match="late stage has not begun"):
         ctl.decide_lambda(1.0, 10)
+
+
+# ---------------------------------------------------------------- the session's sync-free driving
+def _f64(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("loss", [4.0, 2.0, 1.5, 1.1, 1.2, 1.0 + 1e-12, 0.7])
+@pytest.mark.parametrize("size", [1100.0, 1000.0, 600.0, 549.5, 550.5, 833.3333333333334])
+def test_lambda_on_the_device_is_the_host_rule(loss, size):
+    """Same L and S (the all-reduced float64 means), same lambda and objective, whichever side decides.
+    The grid has equal gaps (L 2, S 1100: both 0.5, so lambda 0), ties of the host's ``round`` (549.5,
+    550.5: half to even) and gaps within 1e-12."""
+    host = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.5, target_loss=1.0))
+    host.advance(0, global_loss=4.0, global_size=1100)  # S* = 550
+    device = RankController(host.cfg)
+    device.load_state_dict(host.state_dict())
+    (L1, R1), (L2, R2) = _losses(), _losses()
+    want = host.objective(L1, R1, global_loss=loss, global_size=round(size))
+    got, lam = device.objective_on_device(L2, R2, global_loss=_f64(loss), global_size=_f64(size))
+    assert lam.dtype == torch.bool and lam.shape == () and int(lam) == host.lam
+    want.backward()
+    got.backward()
+    assert got.item() == want.item() and (L2.grad.item(), R2.grad.item()) == (L1.grad.item(), R1.grad.item())
+    assert device.lam is None  # the state waits for end_step, after the step's one host read
+    device.end_step(loss, [int(lam)])
+    assert (device.lam, device.state.lam_switches, device.state.last_loss) == (host.lam, host.state.lam_switches, loss)
+
+
+def test_early_objective_on_the_device_has_no_lambda():
+    ctl = RankController(ControllerConfig(gamma=0.05))
+    L, R = _losses()
+    out, lam = ctl.objective_on_device(L, R, global_loss=_f64(float("nan")), global_size=_f64(0.0))
+    assert lam is None and out.item() == pytest.approx(2.0 + 0.05 * 0.8)
+
+
+def test_begin_step_switches_by_step_exactly_and_reads_s_only_then():
+    ctl = RankController(ControllerConfig(late_stage_step=3, target_ratio=0.25))
+    reads = []
+
+    def read_size() -> int:
+        reads.append(800)
+        return 800
+
+    assert [ctl.begin_step(s, read_size) for s in (1, 2, 3, 4)] == [False, False, True, False]
+    assert reads == [800]  # one host read of S in the run: on the step that switches
+    assert (ctl.state.step, ctl.state.switch_step, ctl.state.target_size) == (4, 3, 200.0)
+
+
+def test_begin_step_switches_by_loss_one_step_after_the_loss_crossed():
+    """The loss criterion compares the step before's global loss (``end_step``): none before the first step."""
+    ctl = RankController(ControllerConfig(late_stage_loss=1.5))
+    assert not ctl.begin_step(1, lambda: 100)  # no loss measured yet
+    ctl.end_step(1.6, [])
+    assert not ctl.begin_step(2, lambda: 100)
+    ctl.end_step(1.5, [])  # step 2's loss reaches the threshold ...
+    assert ctl.begin_step(3, lambda: 90)  # ... so step 3 is the first late one
+    assert (ctl.state.switch_step, ctl.state.size_at_switch) == (3, 90)
+    with pytest.raises(ValueError, match=r"global_size must be > 0, got 0"):
+        RankController(ControllerConfig(late_stage_step=0)).begin_step(0, lambda: 0)
+
+
+def test_end_step_counts_lambda_switches_across_micro_batches_and_steps():
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_loss=1.0))
+    ctl.begin_step(0, lambda: 1000)
+    ctl.end_step(2.0, [0, 1])
+    ctl.end_step(2.0, [1, 1, 0])
+    assert (ctl.lam, ctl.state.lam_switches, ctl.state.last_loss) == (0, 2, 2.0)
+
+
+def test_a_state_saved_before_last_loss_existed_loads():
+    ctl = RankController(ControllerConfig(late_stage_loss=1.0))
+    ctl.end_step(0.5, [])
+    old = {k: v for k, v in ctl.state_dict().items() if k != "last_loss"}
+    other = RankController(ctl.cfg)
+    other.load_state_dict(old)
+    assert other.state.last_loss is None and not other.begin_step(1, lambda: 10)  # no loss known: no switch
+    with pytest.raises(ValueError, match=r"missing keys \['lam'\]"):
+        other.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "lam"})

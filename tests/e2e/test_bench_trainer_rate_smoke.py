@@ -42,6 +42,10 @@ def test_trainer_rate_smoke(tmp_path):
     assert m["session_rate_over_bench"] == pytest.approx(m["session_tokens_per_s"] / m["bench_tokens_per_s"])
     assert set(result["config"]["profile"]) == {"bench step", "session step"}
     assert all(ops and ops[0]["calls"] >= 1 for ops in result["config"]["profile"].values())
+    # by function: the session step's Python includes DeepSpeed's engine, the bare step's does not
+    host = result["config"]["host_profile"]
+    assert set(host) == {"bench step", "session step"} and all(len(rows) == 25 for rows in host.values())
+    assert all(r["self_s"] >= 0 and r["calls"] >= 1 for rows in host.values() for r in rows)
     assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
     assert result["config"]["device"] == "cpu"
     assert result["config"]["compile_counters"] is None  # not compiled (train.compile off)

@@ -182,7 +182,8 @@ class RankController:
         return asdict(self.state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; unknown or missing keys are errors."""
+        """Restore :meth:`state_dict` output; unknown or missing keys are errors (``last_loss`` may be missing:
+        a checkpoint from before it existed)."""
         names = {f.name for f in fields(ControllerState)}
         unknown, missing = set(state) - names, names - set(state) - _OPTIONAL_STATE
         if unknown or missing:

@@ -6,7 +6,8 @@ loss instead of reading it, so on a GPU the forward and the backward are queued 
 steps cover both controller stages (late from step 2) with 2 micro-batches each.
 
 A read is anything that brings a tensor's value to the host: ``aten._local_scalar_dense`` (``item()``,
-``float()``, ``bool()``, ``math.isfinite(t)`` ...), counted by a dispatch mode, and ``Tensor.tolist``
+``float()``, ``bool()``, ``math.isfinite(t)`` ...) and the ops whose output size depends on the data
+(``bench.ops.SYNC_OPS``: ``nonzero``, ``unique`` ...), counted by a dispatch mode, and ``Tensor.tolist``
 (which reads CPU memory without dispatching), wrapped. The window opens when the engine's forward is
 entered and closes when its ``step`` is entered at the accumulation boundary. The model runs its GPU
 path (``kernels.dispatch.static_shapes``: its CPU-only id range checks and deduplication read ids). ZeRO 0 reads the global
@@ -42,8 +43,11 @@ class _Reads(TorchDispatchMode):
             self.seen.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.note("item")
+        from comera_dist.bench.ops import SYNC_OPS
+
+        name = str(func.overloadpacket)
+        if name in SYNC_OPS:  # item() & co., and the ops whose output size depends on the data (nonzero ...)
+            self.note("item" if name == "aten._local_scalar_dense" else name)
         return func(*args, **(kwargs or {}))
 
 

@@ -101,8 +101,7 @@ class RankController:
         self.state.step = step
         if due:
             size = read_size()
-            if not size > 0:
-                raise ValueError(f"RankController: global_size must be > 0, got {size}")
+            _check_size(size)
             self._switch(step, size)
         return due
 
@@ -142,28 +141,30 @@ class RankController:
             return task_loss + self.cfg.gamma * penalty
         lam = self.decide_lambda(global_loss, global_size)
         self._record_lambda(lam)
-        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
-        return base + (penalty if lam else task_loss)  # lam*R + (1-lam)*L with lam in {0, 1}
+        return self._late(task_loss, penalty, penalty if lam else task_loss)
 
     def objective_on_device(self, task_loss: Tensor, penalty: Tensor, *, global_loss: Tensor,
-                            global_size: Tensor) -> tuple[Tensor, Tensor | None]:
+                            global_size: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """``objective`` without a host read: (the loss to back-propagate, lambda as a 0-d bool tensor, or
         None in the early stage).
 
-        global_loss / global_size: 0-d float64 device tensors, the all-reduced mean L and S. Lambda is
-        decided on the device by the same float64 arithmetic as ``decide_lambda`` on the host (S rounded
-        half to even, as ``round``), so both give the same lambda for the same L and S. The state's
-        ``lam`` and ``lam_switches`` wait for ``end_step``.
+        global_loss / global_size: 0-d float64 device tensors, the all-reduced mean L and S (S may be None
+        in the early stage, which does not use it). Lambda is decided on the device by the same float64
+        arithmetic as ``decide_lambda`` on the host (S rounded half to even, as ``round``), so both give
+        the same lambda for the same L and S. The state's ``lam`` and ``lam_switches`` wait for ``end_step``.
         """
         task_loss, penalty = _at_least_fp32(task_loss), _at_least_fp32(penalty)
         if self.state.stage == "early":
             return task_loss + self.cfg.gamma * penalty, None
-        if self.state.target_size is None:
-            raise RuntimeError("RankController.objective_on_device: the late stage has not begun")
+        if self.state.target_size is None or global_size is None:
+            raise RuntimeError("RankController.objective_on_device: the late stage needs its target size and S")
         size = torch.round(global_size)
         lam = (global_loss - self.cfg.target_loss) / global_loss < (size - self.state.target_size) / size
-        base = self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty
-        return base + torch.where(lam, penalty, task_loss), lam
+        return self._late(task_loss, penalty, torch.where(lam, penalty, task_loss)), lam
+
+    def _late(self, task_loss: Tensor, penalty: Tensor, chosen: Tensor) -> Tensor:
+        """The late-stage objective, ``chosen`` being lambda*R + (1 - lambda)*L with lambda in {0, 1}."""
+        return self.cfg.late_task_weight * task_loss + self.cfg.late_rank_weight * penalty + chosen
 
     def end_step(self, global_loss: float, lams: Sequence[int]) -> None:
         """Record an applied step, read back once after it: its global task loss (what a loss-triggered
@@ -204,5 +205,9 @@ def _at_least_fp32(t: Tensor) -> Tensor:
 def _check_global(global_loss: float, global_size: int) -> None:
     if not (math.isfinite(global_loss) and global_loss > 0):
         raise ValueError(f"RankController: global_loss must be finite and > 0, got {global_loss}")
+    _check_size(global_size)
+
+
+def _check_size(global_size: float) -> None:
     if not global_size > 0:
         raise ValueError(f"RankController: global_size must be > 0, got {global_size}")

@@ -158,11 +158,15 @@ class TrainSession:
         return self.batch.micro_batch
 
     # ------------------------------------------------------------------ training
-    def _global_mean(self, *values: Tensor) -> list[float]:
-        """The mean over ranks of each 0-d device tensor: one all-reduce, one host read for all of them."""
+    def _global_mean_on_device(self, *values: Tensor) -> Tensor:
+        """The mean over ranks of each 0-d device tensor, (n,) float64 on the device: one all-reduce, no read."""
         t = collective_stack(values)  # (n,) on the accelerator: NCCL refuses host tensors
         dist.all_reduce(t)
-        return [v / self.world_size for v in t.tolist()]
+        return t / self.world_size
+
+    def _global_mean(self, *values: Tensor) -> list[float]:
+        """:meth:`_global_mean_on_device`, then one host read for all of them."""
+        return self._global_mean_on_device(*values).tolist()
 
     @property
     def penalty_in_loss(self) -> bool:
@@ -269,19 +273,20 @@ class TrainSession:
                              f"{self.accumulation} (deepspeed.gradient_accumulation_steps)")
         self.engine.train()
         packing = packed_of(self.module)
-        if packing is not None:  # S below reads the gates' resting views: they must show the flat parameter
+        if packing is not None:  # S and a compiled forward read the resting views: they must show the flat parameter
             packing.refresh()
         micro_batches = [self.to_device(b) for b in micro_batches]  # once, for the probe and the real pass
         if len(micro_batches) > 1 and not self.zero_skips_nonfinite and not self._all_finite(micro_batches):
             return self._skipped()
-        size = self._size_tensor()  # 0-d, on the device
         controller_before = self.controller.state_dict()  # a skipped step leaves the controller as it was
         if self.penalty.active:  # S comes back to the host only on the step that switches stage
-            self.controller.begin_step(self.steps_done + 1, lambda: round(self._global_mean(size)[0]))
+            self.controller.begin_step(self.steps_done + 1, lambda: round(self._global_mean(self._size_tensor())[0]))
+        # S (0-d, on the device) only where lambda needs it: the late stage
+        size = [self._size_tensor()] if self.penalty.active and self.controller.stage == "late" else []
         global_losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
         for i, batch in enumerate(micro_batches):
             task, forward_penalty = self._forward(batch)
-            global_loss, global_size = self._global_mean_on_device(task, size)  # 0-d float64 each
+            global_loss, *global_size = self._global_mean_on_device(task, *size)  # 0-d float64 each
             if not self.zero_skips_nonfinite and not math.isfinite(float(global_loss)):
                 if i == 0:  # nothing was back-propagated yet: the engine is untouched
                     self.controller.load_state_dict(controller_before)
@@ -299,7 +304,7 @@ class TrainSession:
                 else:
                     penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
                 objective, lam = self.controller.objective_on_device(task, penalty, global_loss=global_loss,
-                                                                     global_size=global_size)
+                                                                     global_size=global_size[0] if global_size else None)
                 lams += [lam] if lam is not None else []
                 r_value = penalty.detach()  # read back once, after the step
             else:
@@ -335,13 +340,6 @@ class TrainSession:
         return StepOutput(loss=after.objective, task_loss=task_loss, penalty=after.penalty,
                           lam=float(after.lams[-1]) if after.lams else 0.0, stage=self.controller.stage,
                           skipped_nonfinite=False, lr=float(self.engine.get_lr()[0]), grad_norm=after.grad_norm)
-
-    def _global_mean_on_device(self, task: Tensor, size: Tensor) -> tuple[Tensor, Tensor]:
-        """(L, S) averaged over ranks: one all-reduce, no host read (0-d float64 device tensors)."""
-        t = collective_stack([task, size])  # (2,) on the accelerator: NCCL refuses host tensors
-        dist.all_reduce(t)
-        t = t / self.world_size
-        return t[0], t[1]
 
     def _after_step(self, global_losses: Sequence[Tensor], lams: Sequence[Tensor], objectives: Sequence[Tensor],
                     r_value: Tensor | None) -> _AfterStep:

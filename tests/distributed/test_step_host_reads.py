@@ -17,6 +17,7 @@ that the counter sees the session's reads.
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,6 @@ class _Reads(TorchDispatchMode):
 
     def note(self, what: str) -> None:
         if self.open:
-            import traceback
-
             frames = [f for f in traceback.extract_stack()[:-2] if "comera_dist" in f.filename or "deepspeed" in f.filename]
             self.seen.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]))
 
@@ -77,6 +76,13 @@ def _count_reads(rank: int, world_size: int, outdir: str, zero_stage: int, preci
         reads.note("tolist")
         return tolist(t)
 
+    size_calls, size_tensor = [], s._size_tensor
+
+    def counted_size():
+        size_calls.append(s.steps_done + 1)
+        return size_tensor()
+
+    s._size_tensor = counted_size
     engine.forward, engine.step, torch.Tensor.tolist = opening_forward, closing_step, noted_tolist
     outs = []
     try:
@@ -86,7 +92,7 @@ def _count_reads(rank: int, world_size: int, outdir: str, zero_stage: int, preci
     finally:
         torch.Tensor.tolist = tolist
     return {"reads": reads.seen, "stages": [o.stage for o in outs], "skipped": [o.skipped_nonfinite for o in outs],
-            "zero_skips": s.zero_skips_nonfinite}
+            "zero_skips": s.zero_skips_nonfinite, "size_calls": size_calls}
 
 
 @pytest.mark.parametrize(("zero_stage", "precision"), [(1, "bf16"), (2, "fp32")])
@@ -95,6 +101,8 @@ def test_no_host_read_inside_a_checked_zero_step(tmp_path: Path, zero_stage: int
     for rank, r in enumerate(results):
         assert r["zero_skips"] and r["stages"] == ["early", "late", "late"] and not any(r["skipped"]), r
         assert r["reads"] == [], f"rank {rank}: {len(r['reads'])} host reads inside the steps:\n" + "\n".join(r["reads"])
+        # S is made only where it is used: twice at the switch (its one read, then lambda's), once per late step
+        assert r["size_calls"] == [2, 2, 3], r["size_calls"]
 
 
 def test_zero0_reads_the_loss_before_each_backward(tmp_path: Path) -> None:

@@ -167,8 +167,12 @@ def test_lambda_on_the_device_is_the_host_rule(loss, size):
 def test_early_objective_on_the_device_has_no_lambda():
     ctl = RankController(ControllerConfig(gamma=0.05))
     L, R = _losses()
-    out, lam = ctl.objective_on_device(L, R, global_loss=_f64(float("nan")), global_size=_f64(0.0))
+    out, lam = ctl.objective_on_device(L, R, global_loss=_f64(float("nan")), global_size=None)  # S unused early
     assert lam is None and out.item() == pytest.approx(2.0 + 0.05 * 0.8)
+    late = RankController(ControllerConfig(late_stage_step=0))
+    late.begin_step(0, lambda: 100)
+    with pytest.raises(RuntimeError, match="the late stage needs its target size and S"):
+        late.objective_on_device(L, R, global_loss=_f64(2.0), global_size=None)
 
 
 def test_begin_step_switches_by_step_exactly_and_reads_s_only_then():

@@ -2,8 +2,10 @@
 
 An op profile shows which kernels a host-bound step launches. It does not show the Python between them:
 DeepSpeed's bookkeeping, hooks, the session's objective. ``bench trainer-rate`` records both for the bare
-step and the session step, so a GPU run can say which functions make up the gap between them. cProfile
-slows every Python call it records, so compare rows within one profile, not against a timed step.
+step and the session step, so a GPU run can say which functions make up the gap between them. Two views of
+one profile: by own time (which functions burn the host) and by cumulative time (which phase: DeepSpeed's
+``forward``, ``backward`` and ``step``, the session's reads). cProfile slows every Python call it records, so
+compare rows within one profile, not against a timed step.
 """
 
 from __future__ import annotations
@@ -14,26 +16,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+SELF, CUMULATIVE = 2, 3  # pstats rows: (primitive calls, calls, tottime, cumtime, callers)
 
-def top_functions(fn: Callable[[], Any], n: int = 25) -> list[dict[str, Any]]:
-    """Run ``fn()`` once under ``cProfile``; the ``n`` functions with the most own (``tottime``) time.
 
-    Each row: ``function`` (``path:line(name)``, the path from the package root: ``deepspeed/...``,
-    ``comera_dist/...``, ``torch/...``; C functions as cProfile names them, e.g. ``{built-in method
-    torch.bmm}``), ``calls``, ``self_s`` (time in the function itself), ``cum_s`` (with its callees) and
-    ``share`` (of the profile's total own time).
+def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative: int = 40) -> dict[str, Any]:
+    """Run ``fn()`` ``runs`` times under one ``cProfile``; its top ``n`` functions by own time and top
+    ``n_cumulative`` by cumulative time (more: the wrappers around each phase take the first rows).
+
+    Returns ``{"runs": runs, "by_self": rows, "by_cumulative": rows}``. Each row: ``function``
+    (``path:line(name)``, the path from the package root: ``deepspeed/...``, ``comera_dist/...``,
+    ``torch/...``; C functions as cProfile names them, e.g. ``<built-in method torch.bmm>``), ``calls``,
+    ``self_s`` (time in the function itself) and ``cum_s`` (with its callees), both per run, and ``share``
+    (of the profile's total own time). Several runs average out a step's one-off work (a lazy allocation,
+    a cache fill) that one profiled run would show as a hot spot.
     """
+    if runs < 1:
+        raise ValueError(f"host_profile: runs must be >= 1, got {runs}")
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        fn()
+        for _ in range(runs):
+            fn()
     finally:
         profiler.disable()
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
-    total = sum(row[2] for row in stats.values()) or 1.0
-    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
-    return [{"function": _name(key), "calls": calls, "self_s": self_s, "cum_s": cum_s, "share": self_s / total}
-            for key, (_, calls, self_s, cum_s, _) in rows]
+    stats = pstats.Stats(profiler).stats
+    return {"runs": runs, "by_self": _top(stats, SELF, n, runs),
+            "by_cumulative": _top(stats, CUMULATIVE, n_cumulative, runs)}
+
+
+def _top(stats: dict, column: int, n: int, runs: int) -> list[dict[str, Any]]:
+    total = sum(row[SELF] for row in stats.values()) or 1.0
+    rows = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:n]
+    return [{"function": _name(key), "calls": calls / runs, "self_s": self_s / runs, "cum_s": cum_s / runs,
+             "share": self_s / total} for key, (_, calls, self_s, cum_s, _) in rows]
 
 
 def _name(key: tuple[str, int, str]) -> str:

@@ -48,8 +48,9 @@ the bare step captured in one CUDA graph, ``targets``).
    ``session_rate_over_bench``). It splits the gap: bench -> session is DeepSpeed and the session's
    objective, all-reduces and host reads; session -> trainer is the data loader, metrics and logging.
    ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step, and
-   ``config["host_profile"]`` their top Python functions by own time (``bench.host_profile``, cProfile):
-   the host work between the ops (DeepSpeed's bookkeeping, hooks, the session's objective).
+   ``config["host_profile"]`` their top Python functions by own and by cumulative time, per step over 5
+   profiled steps (``bench.host_profile``, cProfile): the host work between the ops (DeepSpeed's
+   bookkeeping, hooks, the session's objective), and which phase holds it.
    ``host_ops_per_step_session``: the session step's top-level aten ops outside compiled graphs
    (``compile_stats.host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
    ``config["compile_counters"]`` (compiled runs) and ``config["cudagraph_trees"]`` (CUDA): what Dynamo
@@ -77,7 +78,7 @@ from torch import Tensor
 
 from comera_dist.bench.common import base_parser, single_rank_env, write_result
 from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, host_ops
-from comera_dist.bench.host_profile import top_functions
+from comera_dist.bench.host_profile import host_profile
 from comera_dist.bench.six_encoder import time_steps, top_ops
 from comera_dist.bench.summary import TARGETS
 
@@ -180,7 +181,7 @@ def bench_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str, 
     timed = time_steps(c.train_step, batch, steps)  # a device synchronize around each step
     return {"step_s": timed["median_s"], "step_min_s": timed["min_s"], "tokens_per_step": b * t,
             "params": sum(p.numel() for p in c.model.parameters()), "profile": top_ops(lambda: c.step(batch), 16),
-            "host_profile": top_functions(lambda: c.step(batch)),
+            "host_profile": host_profile(lambda: c.step(batch)),
             "syncs": cuda_syncs(lambda: c.step(batch)), "ops": aten_ops(lambda: c.step(batch))}
 
 
@@ -217,7 +218,7 @@ def session_rate(cfg, device: torch.device, steps: int, warmup: int) -> dict[str
     timed = time_steps(lambda _: session.train_step(micro), batch, steps)
     return {"step_s": timed["median_s"], "micro_batches": session.accumulation,
             "profile": top_ops(lambda: session.train_step(micro), 16),
-            "host_profile": top_functions(lambda: session.train_step(micro)),
+            "host_profile": host_profile(lambda: session.train_step(micro)),
             "syncs": cuda_syncs(lambda: session.train_step(micro)),
             "host_ops": host_ops(lambda: session.train_step(micro)),
             "cudagraph_trees": cudagraph_trees(device),

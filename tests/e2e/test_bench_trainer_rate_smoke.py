@@ -44,8 +44,14 @@ def test_trainer_rate_smoke(tmp_path):
     assert all(ops and ops[0]["calls"] >= 1 for ops in result["config"]["profile"].values())
     # by function: the session step's Python includes DeepSpeed's engine, the bare step's does not
     host = result["config"]["host_profile"]
-    assert set(host) == {"bench step", "session step"} and all(len(rows) == 25 for rows in host.values())
-    assert all(r["self_s"] >= 0 and r["calls"] >= 1 for rows in host.values() for r in rows)
+    assert set(host) == {"bench step", "session step"} and all(p["runs"] == 5 for p in host.values())
+    assert all(len(p["by_self"]) == 25 and len(p["by_cumulative"]) == 40 for p in host.values())
+    assert all(r["self_s"] >= 0 and r["calls"] > 0 for p in host.values() for r in p["by_self"] + p["by_cumulative"])
+    # the cumulative view names DeepSpeed's phases inside the session step, and none inside the bare one
+    session_cum = [r["function"] for r in host["session step"]["by_cumulative"]]
+    bench_cum = [r["function"] for r in host["bench step"]["by_cumulative"]]
+    assert any(f.startswith("deepspeed/runtime/engine.py") and f.endswith("(backward)") for f in session_cum)
+    assert not any(f.startswith("deepspeed/") for f in bench_cum)
     assert result["config"]["target"] == {"trainer_rate_over_bench": 0.8}
     assert result["config"]["device"] == "cpu"
     assert result["config"]["compile_counters"] is None  # not compiled (train.compile off)

@@ -1,4 +1,4 @@
-"""bench.host_profile.top_functions: the functions that took a step's host time, by their own time."""
+"""bench.host_profile.host_profile: the functions that took a step's host time, by own and cumulative time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from comera_dist.bench.host_profile import _name, top_functions
+from comera_dist.bench.host_profile import _name, host_profile
 
 
 def _busy(seconds: float) -> int:
@@ -21,14 +21,43 @@ def _step() -> None:
     _busy(0.03)
 
 
-def test_rows_rank_functions_by_their_own_time():
-    rows = top_functions(_step, n=4)
+def _phase() -> None:
+    _busy(0.02)
+
+
+def _outer_step() -> None:  # its own time is nil, its cumulative time is the whole step
+    _phase()
+    _phase()
+
+
+def test_rows_rank_functions_by_their_own_time_per_run():
+    prof = host_profile(_step, runs=3, n=4)
+    rows = prof["by_self"]
+    assert prof["runs"] == 3
     assert len(rows) == 4 and [r["self_s"] for r in rows] == sorted((r["self_s"] for r in rows), reverse=True)
     top = rows[0]
-    assert top["function"] == "<built-in method time.sleep>" and top["calls"] == 1
+    assert top["function"] == "<built-in method time.sleep>" and top["calls"] == 1  # per run, not 3
     assert top["self_s"] == pytest.approx(0.05, abs=0.03) and 0 < top["share"] <= 1
     busy = next(r for r in rows if r["function"].endswith("(_busy)"))
     assert busy["cum_s"] >= 0.02 and busy["self_s"] < busy["cum_s"]  # its perf_counter calls are their own rows
+
+
+def test_cumulative_rows_show_the_phase_that_holds_the_time():
+    prof = host_profile(_outer_step, runs=2, n=3, n_cumulative=5)
+    assert len(prof["by_self"]) == 3 and len(prof["by_cumulative"]) == 5
+    cum = prof["by_cumulative"]
+    assert [r["cum_s"] for r in cum] == sorted((r["cum_s"] for r in cum), reverse=True)
+    outer = next(r for r in cum if r["function"].endswith("(_outer_step)"))
+    phase = next(r for r in cum if r["function"].endswith("(_phase)"))
+    assert outer["calls"] == 1 and phase["calls"] == 2  # per run
+    assert outer["cum_s"] == pytest.approx(0.04, abs=0.02) and outer["self_s"] < 0.1 * outer["cum_s"]
+    assert phase["cum_s"] == pytest.approx(outer["cum_s"], rel=0.1)  # a run's two calls: all of the step
+    assert not any(r["function"].endswith("(_outer_step)") for r in prof["by_self"])
+
+
+def test_runs_must_be_positive():
+    with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
+        host_profile(_step, runs=0)
 
 
 @pytest.mark.parametrize(("key", "name"), [

@@ -125,6 +125,34 @@ HEADLINE_FILES = ("kernels", "six-encoder", "six-encoder-ws4", "six-encoder-comp
 """The benchmark JSONs whose metrics the summary prints (what the GPU figures in docs/ come from)."""
 
 
+HOST_PHASES = {  # label -> the function (bench.host_profile's naming) whose cumulative time is that phase
+    "step": r"comera_dist/(engine/session|bench/six_encoder)\.py:\d+\(train_step\)",
+    "model forward": r"comera_dist/models/\w+\.py:\d+\(forward\)",  # the outermost model's, first by time
+    "deepspeed forward": r"deepspeed/runtime/engine\.py:\d+\(forward\)",
+    "deepspeed backward": r"deepspeed/runtime/engine\.py:\d+\(backward\)",
+    "autograd backward": r"torch/autograd/__init__\.py:\d+\(backward\)",
+    "deepspeed backward epilogue": r"deepspeed/runtime/engine\.py:\d+\(_backward_epilogue\)",
+    "deepspeed step": r"deepspeed/runtime/engine\.py:\d+\(step\)",
+    "zero grad norm": r"deepspeed/runtime/zero/stage_1_and_2\.py:\d+\(scaled_global_norm\)",
+    "all_reduce": r"torch/distributed/distributed_c10d\.py:\d+\(all_reduce\)",
+    "torch optimizer": r"torch/optim/optimizer\.py:\d+\(wrapper\)",
+    "session reads": r"comera_dist/engine/session\.py:\d+\(_after_step\)",
+}
+"""The phases of a bare or session step that the summary prints from its cumulative host profile, so a GPU
+run says at a glance whether DeepSpeed's forward, backward or step holds the trainer's host time."""
+
+
+def _host_phases(profile: dict) -> dict[str, float]:
+    """A trainer-rate ``host_profile`` -> ``{phase: ms per step}`` for each ``HOST_PHASES`` entry found among
+    its cumulative rows (the first match: the rows are sorted by cumulative time)."""
+    phases = {}
+    for label, pattern in HOST_PHASES.items():
+        row = next((r for r in profile["by_cumulative"] if re.fullmatch(pattern, r["function"])), None)
+        if row is not None:
+            phases[label] = 1e3 * row["cum_s"]
+    return phases
+
+
 def summary(outdir: str) -> int:
     """``results.tsv`` (name, rc, seconds, log) -> ``summary.json`` and a table; 1 if any step failed."""
     out = Path(outdir)
@@ -144,8 +172,11 @@ def summary(outdir: str) -> int:
     # where each profiled step's device time went (bench six-encoder --profile; bench.kernel_time)
     kernel_ms = {f"{name} {row}": k for name, r in results.items()
                  for row, k in ((r.get("config") or {}).get("kernel_time") or {}).items() if "device_ms" in k}
+    # where each trainer-rate step's host time went, by phase (bench.host_profile's cumulative view)
+    host = {f"{name} {step}": _host_phases(p) for name, r in results.items()
+            for step, p in ((r.get("config") or {}).get("host_profile") or {}).items() if "by_cumulative" in p}
     result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows),
-              "metrics": figures, "cudagraph_trees": trees, "kernel_time": kernel_ms}
+              "metrics": figures, "cudagraph_trees": trees, "kernel_time": kernel_ms, "host_phases_ms": host}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
@@ -157,6 +188,8 @@ def summary(outdir: str) -> int:
     for name, k in kernel_ms.items():
         print(f"  {name}: kernels {k['device_ms']:.2f} ms (" +
               ", ".join(f"{kind} {ms:.2f}" for kind, ms in k["by_kind_ms"].items()) + ")")
+    for name, phases in host.items():
+        print(f"  {name} host ms/step (cProfile): " + ", ".join(f"{f} {ms:.2f}" for f, ms in phases.items()))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

@@ -19,7 +19,7 @@ from typing import Any
 SELF, CUMULATIVE = 2, 3  # pstats rows: (primitive calls, calls, tottime, cumtime, callers)
 
 
-def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative: int = 40) -> dict[str, Any]:
+def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative: int = 60) -> dict[str, Any]:
     """Run ``fn()`` ``runs`` times under one ``cProfile``; its top ``n`` functions by own time and top
     ``n_cumulative`` by cumulative time (more: the wrappers around each phase take the first rows).
 

@@ -94,4 +94,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     # would leave them all
     host = {name: summary["metrics"][name]["host_ops_per_step_session"] for name in ("trainer-rate", "trainer-rate-graphs")}
     assert 0 < host["trainer-rate-graphs"] < 0.6 * host["trainer-rate"], host
+    # the host time by phase: DeepSpeed's forward, backward and step inside the session step, each a part of it
+    phases = summary["host_phases_ms"]["trainer-rate session step"]
+    assert {"step", "deepspeed forward", "deepspeed backward", "deepspeed step"} <= set(phases), phases
+    assert all(0 < phases[k] < phases["step"] for k in ("deepspeed forward", "deepspeed backward", "deepspeed step"))
+    assert not any(k.startswith("deepspeed") for k in summary["host_phases_ms"]["trainer-rate bench step"])
+    assert "trainer-rate session step host ms/step (cProfile): step " in p.stdout
     assert summary["env"]["mode"] == "cpu-smoke"

@@ -8,10 +8,15 @@ the penalty acts inside the optimizer step, on the full fp32 master state:
 1. the objective is evaluated with a detached *proxy* leaf ``R~`` standing in for ``R``, so
    back-propagation gives the task gradients plus ``c = d objective / d R`` (in ``R~.grad``,
    with DeepSpeed's accumulation/loss scaling applied exactly as to the task gradients);
-2. at the accumulation boundary, before ``engine.step()``, the full fp32 gates are read
-   (``safe_get_full_fp32_param``), ``dR/dg`` comes from autograd on
-   ``compression.penalty_from_gates``, and ``c * dR/dg`` is added to each gate's full gradient
-   (``safe_get_full_grad`` / ``safe_set_full_grad``).
+2. at the accumulation boundary, before ``engine.step()``, ``dR/dg`` comes from autograd on
+   ``compression.penalty_from_gates`` of the full fp32 gates, and ``c * dR/dg`` is added to each gate's
+   gradient: under ZeRO-3 to this rank's partition of it (``safe_get_local_grad`` /
+   ``safe_set_local_grad``), which is the slice of the full gradient the rank owns.
+
+The full fp32 gates are read once per step, every gate vector in one all-gather (``full_fp32_all``), and
+stay on the device with ``c`` and R: the step reads nothing back for the penalty (it used to read R and
+``c`` per micro-batch and gather each gate and its gradient on its own, about 3 x 38 collectives per
+six-encoder step).
 
 By the chain rule this is the gradient of ``objective(L, R(g))``; the distributed tests
 check it against plain PyTorch with the penalty in the loss. Every rank adds the same
@@ -22,7 +27,6 @@ data-parallel averaging gives the same result.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +36,8 @@ import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
     safe_set_full_fp32_param,
     safe_set_full_grad,
     safe_set_full_optimizer_state,
@@ -78,6 +84,36 @@ def full_fp32(p: nn.Parameter) -> Tensor:
     if value is None:
         value = p.detach()
     return value.detach().float().reshape(full_shape(p))
+
+
+def full_fp32_all(params: list[nn.Parameter]) -> list[Tensor]:
+    """``full_fp32`` of each of ``params``; under ZeRO-3 in one all-gather for all of them, where
+    ``full_fp32`` gathers each parameter on its own (a collective, and a host wait, per parameter).
+
+    ZeRO-3 gives rank r the slice ``[r * part, (r + 1) * part)`` of each flattened parameter (``part``
+    its partition size, the last one zero-padded). The ranks' fp32 master partitions of all ``params``,
+    end to end, gather into one ``(world, sum of parts)`` buffer, from which each parameter is its
+    column block read in rank order, cut to its size. Parameters in different partition groups (or not
+    partitioned) go one by one.
+    """
+    if not params or not all(hasattr(p, "ds_id") for p in params):
+        return [full_fp32(p) for p in params]
+    groups = {id(getattr(p, "ds_process_group", None)) for p in params}
+    if len(groups) != 1:
+        return [full_fp32(p) for p in params]
+    group = getattr(params[0], "ds_process_group", None)
+    local = [safe_get_local_fp32_param(p).detach().float().flatten() for p in params]  # this rank's parts
+    mine = torch.cat(local)  # (sum parts,)
+    world = dist.get_world_size(group=group)
+    everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(world, mine.numel())  # row r: rank r's parts end to end
+    out, start = [], 0
+    for p, part in zip(params, (t.numel() for t in local), strict=True):
+        full = rows[:, start:start + part].reshape(-1)[: p.ds_numel]  # the partitions in rank order
+        out.append(full.reshape(full_shape(p)))
+        start += part
+    return out
 
 
 def _z3_local(param: nn.Parameter, value: Tensor) -> Tensor:
@@ -136,35 +172,48 @@ class PenaltyHook:
         """False for a dense model (no gates): R is 0 and nothing is injected."""
         return bool(self.gates)
 
-    def value(self) -> float:
-        """R from the full fp32 gates (identical on every rank; a collective under ZeRO 1-3)."""
-        if not self.active:
-            return 0.0
+    def gates_fp32(self) -> list[Tensor]:
+        """The full fp32 master of every gate vector, each (sum r_k,): one all-gather under ZeRO-3
+        (``full_fp32_all``). They do not change within a step: read them once, before its first forward."""
+        return full_fp32_all([ref.param for ref in self.gates])
+
+    def value(self, gates: list[Tensor]) -> Tensor:
+        """R of ``gates`` (``gates_fp32()``), 0-d fp32 on the accelerator, the same on every rank; no host read."""
         with torch.no_grad():
-            values = [full_fp32(ref.param) for ref in self.gates]
-            return float(penalty_from_gates(values, [ref.tau for ref in self.gates],
-                                            working_dtype=self.working_dtype))
+            r = penalty_from_gates(gates, [ref.tau for ref in self.gates], working_dtype=self.working_dtype)
+        # beside the task loss it is combined with (fp32 whatever the precision)
+        return r.to(device=accelerator_device(), dtype=torch.float32)
 
-    def proxy(self) -> Tensor:
-        """A fresh 0-d leaf holding R; after backward its ``.grad`` is ``d objective / d R``."""
-        # On the accelerator, beside the task loss it is combined with (fp32 whatever the precision).
-        return torch.tensor(self.value(), dtype=torch.float32, device=accelerator_device(), requires_grad=True)
+    @staticmethod
+    def proxy(value: Tensor) -> Tensor:
+        """A fresh 0-d leaf holding R (``value``); after backward its ``.grad`` is ``d objective / d R``."""
+        return value.detach().clone().requires_grad_(True)
 
-    def inject(self, coef: float) -> None:
-        """Add ``coef * dR/dg`` to the full gradient of every gate (call between backward and step).
+    def inject(self, coef: Tensor, gates: list[Tensor]) -> None:
+        """Add ``coef * dR/dg`` to the gradient of every gate (call between backward and step).
 
-        All ranks must call it together (the ZeRO get/set of full gradients are collectives).
+        coef: 0-d, ``d objective / d R`` summed over the step's micro-batches, on the device (0 adds
+        nothing; NaN, from a non-finite loss, turns the gates' gradients NaN like every other, and the
+        step is skipped); gates: ``gates_fp32()`` of this step. Under ZeRO-3 each rank adds to its own
+        partition of each gradient, with no collective; elsewhere the full gradients are read and set
+        (all ranks call it together: at ZeRO 1-2 those are collectives).
         """
-        if not self.active or coef == 0.0 or not math.isfinite(coef):
+        if not self.active:
             return
-        values = [full_fp32(ref.param).requires_grad_(True) for ref in self.gates]  # each (sum r_k,)
+        values = [g.detach().clone().requires_grad_(True) for g in gates]  # each (sum r_k,)
         penalty = penalty_from_gates(values, [ref.tau for ref in self.gates], working_dtype=self.working_dtype)
         grads = torch.autograd.grad(penalty, values, allow_unused=True)
         for ref, d_r in zip(self.gates, grads):
             if d_r is None:
                 continue
+            if hasattr(ref.param, "ds_id"):  # this rank's slice of the full gradient
+                current = safe_get_local_grad(ref.param)
+                if current is not None:
+                    update = coef.to(current.device) * _z3_local(ref.param, d_r).to(current.device)
+                    safe_set_local_grad(ref.param, current + update.to(current.dtype))
+                continue
             current = safe_get_full_grad(ref.param)
             if current is None:  # the gate took no part in this step's forward
                 continue
-            update = current.float().reshape(full_shape(ref.param)) + coef * d_r  # (sum r_k,)
+            update = current.float().reshape(full_shape(ref.param)) + coef.to(current.device) * d_r  # (sum r_k,)
             set_full(ref.param, update.to(current.dtype).reshape(current.shape), "grad")

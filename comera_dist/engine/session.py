@@ -283,7 +283,10 @@ class TrainSession:
             self.controller.begin_step(self.steps_done + 1, lambda: round(self._global_mean(self._size_tensor())[0]))
         # S (0-d, on the device) only where lambda needs it: the late stage
         size = [self._size_tensor()] if self.penalty.active and self.controller.stage == "late" else []
-        global_losses, objectives, lams, coef, r_value = [], [], [], 0.0, None
+        # ZeRO-3's proxy path: the gates' fp32 masters and R, once for the step (they change only in its update)
+        gates = self.penalty.gates_fp32() if self.penalty.active and not self.penalty_in_loss else None
+        r_step = self.penalty.value(gates) if gates is not None else None
+        global_losses, objectives, lams, coef, r_value = [], [], [], None, None
         for i, batch in enumerate(micro_batches):
             task, forward_penalty = self._forward(batch)
             global_loss, *global_size = self._global_mean_on_device(task, *size)  # 0-d float64 each
@@ -302,7 +305,7 @@ class TrainSession:
                 if self.penalty_in_loss:
                     penalty = self._penalty(forward_penalty)  # 0-d, in the graph of the module's whole gates
                 else:
-                    penalty = proxy = self.penalty.proxy()  # 0-d leaf holding R
+                    penalty = proxy = self.penalty.proxy(r_step)  # 0-d leaf holding R
                 objective, lam = self.controller.objective_on_device(task, penalty, global_loss=global_loss,
                                                                      global_size=global_size[0] if global_size else None)
                 lams += [lam] if lam is not None else []
@@ -313,12 +316,12 @@ class TrainSession:
             # check at the boundary skips the update (earlier micro-batches' gradients are cleared with it)
             objective = objective * _poison_unless_finite(global_loss, objective.dtype)
             self.engine.backward(objective)
-            if proxy is not None:
-                coef += float(proxy.grad)  # d objective / d R, scaled like the task gradients (ZeRO-3 only)
+            if proxy is not None:  # d objective / d R, scaled like the task gradients (ZeRO-3 only), on the device
+                coef = proxy.grad if coef is None else coef + proxy.grad
             global_losses.append(global_loss)
             objectives.append(objective.detach())  # averaged over ranks once, after the step
-            if self.engine.is_gradient_accumulation_boundary() and not self.penalty_in_loss:
-                self.penalty.inject(coef)
+            if self.engine.is_gradient_accumulation_boundary() and coef is not None:
+                self.penalty.inject(coef, gates)
             self.engine.step()
         if not self.engine.was_step_applied():  # a non-finite loss or non-finite gradients: DeepSpeed skipped
             self.controller.load_state_dict(controller_before)

@@ -39,7 +39,9 @@ class _Reads(TorchDispatchMode):
     def note(self, what: str) -> None:
         if self.open:
             frames = [f for f in traceback.extract_stack()[:-2] if "comera_dist" in f.filename or "deepspeed" in f.filename]
-            self.seen.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]))
+            owner = "comera_dist" if frames and "comera_dist" in frames[-1].filename else "deepspeed"  # innermost
+            self.seen.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:])
+                             + f" [{owner}]")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from comera_dist.bench.ops import SYNC_OPS
@@ -114,3 +116,17 @@ def test_zero0_reads_the_loss_before_each_backward(tmp_path: Path) -> None:
         assert not r["zero_skips"] and r["stages"] == ["early", "late", "late"], r
         assert len(r["reads"]) == STEPS * ACCUM + STEPS + 1, r["reads"]
         assert all("session.py" in x for x in r["reads"]), r["reads"]
+
+
+
+def test_zero3_reads_nothing_for_the_rank_penalty(tmp_path: Path) -> None:
+    """ZeRO-3 keeps R on the proxy path (``hooks.PenaltyHook``): the gates' fp32 masters are gathered once per
+    step, R, the proxy's gradient and the injection stay on the device. Before, the session read R and the
+    proxy's gradient back once per micro-batch each (12 reads here). DeepSpeed's own ZeRO-3 reads (its
+    trace checks, ``get_lst_from_rank0``) are its business and not counted."""
+    results = run_ranks(_count_reads, tmp_path / "work", str(tmp_path / "run"), 3, "fp32")
+    for rank, r in enumerate(results):
+        assert r["zero_skips"] and r["stages"] == ["early", "late", "late"] and not any(r["skipped"]), r
+        ours = [x for x in r["reads"] if x.endswith("[comera_dist]")]
+        assert ours == [], f"rank {rank}: {len(ours)} reads by comera_dist inside the steps:\n" + "\n".join(ours)
+        assert any(x.endswith("[deepspeed]") for x in r["reads"])  # the counter sees ZeRO-3's own reads

@@ -35,11 +35,9 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
-    safe_get_full_grad,
     safe_get_local_fp32_param,
     safe_get_local_grad,
     safe_set_full_fp32_param,
-    safe_set_full_grad,
     safe_set_full_optimizer_state,
     safe_set_local_fp32_param,
     safe_set_local_grad,
@@ -126,7 +124,7 @@ def _z3_local(param: nn.Parameter, value: Tensor) -> Tensor:
 
 
 def set_full(param: nn.Parameter, value: Tensor, what: str) -> None:
-    """Write the full ``value`` into ``param``'s ``grad``, ``fp32`` master or optimizer state ``what``.
+    """Write the full ``value`` into ``param``'s ``fp32`` master or optimizer state ``what``.
 
     Collective-free and ZeRO-aware. Under ZeRO-3 it writes this rank's slice through DeepSpeed's
     local API: its full-value setters assume ``numel`` divisible by the world size and fail for
@@ -134,14 +132,10 @@ def set_full(param: nn.Parameter, value: Tensor, what: str) -> None:
     """
     if hasattr(param, "ds_id"):
         local = _z3_local(param, value)
-        if what == "grad":
-            safe_set_local_grad(param, local)
-        elif what == "fp32":
+        if what == "fp32":
             safe_set_local_fp32_param(param, local)
         else:
             safe_set_local_optimizer_state(param, local, what)
-    elif what == "grad":
-        safe_set_full_grad(param, value)
     elif what == "fp32":
         safe_set_full_fp32_param(param, value)
     else:
@@ -190,30 +184,25 @@ class PenaltyHook:
         return value.detach().clone().requires_grad_(True)
 
     def inject(self, coef: Tensor, gates: list[Tensor]) -> None:
-        """Add ``coef * dR/dg`` to the gradient of every gate (call between backward and step).
+        """Add ``coef * dR/dg`` to each rank's partition of every gate's gradient (ZeRO-3; call between
+        backward and step). No collective: the partition is the slice of the full gradient the rank owns.
 
         coef: 0-d, ``d objective / d R`` summed over the step's micro-batches, on the device (0 adds
         nothing; NaN, from a non-finite loss, turns the gates' gradients NaN like every other, and the
-        step is skipped); gates: ``gates_fp32()`` of this step. Under ZeRO-3 each rank adds to its own
-        partition of each gradient, with no collective; elsewhere the full gradients are read and set
-        (all ranks call it together: at ZeRO 1-2 those are collectives).
+        step is skipped); gates: ``gates_fp32()`` of this step. At ZeRO 0-2 the penalty enters the loss
+        instead (``TrainSession.penalty_in_loss``), so an unpartitioned gate here is an error.
         """
         if not self.active:
             return
+        flat = [ref.layer for ref in self.gates if not hasattr(ref.param, "ds_id")]
+        if flat:
+            raise ValueError(f"PenaltyHook.inject: the gates of {flat} are not ZeRO-3 partitioned parameters; "
+                             "at ZeRO 0-2 the rank penalty enters the loss (TrainSession.penalty_in_loss)")
         values = [g.detach().clone().requires_grad_(True) for g in gates]  # each (sum r_k,)
         penalty = penalty_from_gates(values, [ref.tau for ref in self.gates], working_dtype=self.working_dtype)
         grads = torch.autograd.grad(penalty, values, allow_unused=True)
         for ref, d_r in zip(self.gates, grads):
-            if d_r is None:
-                continue
-            if hasattr(ref.param, "ds_id"):  # this rank's slice of the full gradient
-                current = safe_get_local_grad(ref.param)
-                if current is not None:
-                    update = coef.to(current.device) * _z3_local(ref.param, d_r).to(current.device)
-                    safe_set_local_grad(ref.param, current + update.to(current.dtype))
-                continue
-            current = safe_get_full_grad(ref.param)
-            if current is None:  # the gate took no part in this step's forward
-                continue
-            update = current.float().reshape(full_shape(ref.param)) + coef.to(current.device) * d_r  # (sum r_k,)
-            set_full(ref.param, update.to(current.dtype).reshape(current.shape), "grad")
+            current = safe_get_local_grad(ref.param) if d_r is not None else None
+            if current is not None:
+                update = coef.to(current.device) * _z3_local(ref.param, d_r).to(current.device)
+                safe_set_local_grad(ref.param, current + update.to(current.dtype))

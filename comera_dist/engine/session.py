@@ -284,8 +284,8 @@ class TrainSession:
         # S (0-d, on the device) only where lambda needs it: the late stage
         size = [self._size_tensor()] if self.penalty.active and self.controller.stage == "late" else []
         # ZeRO-3's proxy path: the gates' fp32 masters and R, once for the step (they change only in its update)
-        gates = self.penalty.gates_fp32() if self.penalty.active and not self.penalty_in_loss else None
-        r_step = self.penalty.value(gates) if gates is not None else None
+        gate_values = self.penalty.gates_fp32() if self.penalty.active and not self.penalty_in_loss else None
+        r_step = self.penalty.value(gate_values) if gate_values is not None else None
         global_losses, objectives, lams, coef, r_value = [], [], [], None, None
         for i, batch in enumerate(micro_batches):
             task, forward_penalty = self._forward(batch)
@@ -321,7 +321,7 @@ class TrainSession:
             global_losses.append(global_loss)
             objectives.append(objective.detach())  # averaged over ranks once, after the step
             if self.engine.is_gradient_accumulation_boundary() and coef is not None:
-                self.penalty.inject(coef, gates)
+                self.penalty.inject(coef, gate_values)
             self.engine.step()
         if not self.engine.was_step_applied():  # a non-finite loss or non-finite gradients: DeepSpeed skipped
             self.controller.load_state_dict(controller_before)

@@ -294,6 +294,8 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
               "cublaslt_env": {k: os.environ.get(k) for k in CUBLASLT_ENV},
               # CoMERA's grouped factors padded to a middle rank that is a multiple of this (COMERA_RANK_ALIGN)
               "rank_align": dispatch.aligned_rank(1),
+              # CoMERA's TT FFN: fused, its (T, F) middle remade in backward (auto; one block on a GPU), or off
+              "ffn_rows": os.environ.get("COMERA_FFN_ROWS", "auto"),
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     metrics = {k + suffix: v for k, v in metrics_of(rows, sizes, dev).items()}
     write_result(args.json, "six-encoder", metrics, rows, config)

@@ -189,6 +189,49 @@ def tt_linear_shared(x: Tensor, factors: list[tuple[Tensor, Tensor]],
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
+FFN_BLOCK_ELEMENTS = 2**19
+"""The CPU's row blocks of the fused TT FFN (``tt_ffn``) hold at most this many elements of the FFN width (2 MiB
+in fp32, about a core's share of the cache), in a power-of-two row count. The six-encoder's b32 FFN (4096 tokens,
+F = 3072, so 128 rows) ran fwd + bwd in 130-136 ms against 226-241 ms unfused; 168 rows, the most that fit, in
+152-165 (two sweeps on this 2-core CPU: `docs/bench/raw/ffn-rows-cpu.txt`)."""
+
+
+def ffn_rows(t: Tensor, width: int) -> int:
+    """Tokens per block of the fused TT FFN for activations like ``t`` and FFN width ``width``; 0 for the
+    unfused ops. ``COMERA_FFN_ROWS`` forces it: ``off`` (the unfused ops), ``all`` (one block), or a count.
+    Default: blocks of ``FFN_BLOCK_ELEMENTS`` on the CPU, where the wide tensors then stay in cache; one
+    block elsewhere, where a block costs a launch of every kernel in it."""
+    raw = os.environ.get("COMERA_FFN_ROWS", "auto").strip().lower()
+    if raw == "off":
+        return 0
+    if raw == "all" or (raw == "auto" and t.device.type != "cpu"):
+        return max(1, t.numel() // max(1, t.shape[-1]))
+    if raw == "auto":
+        fit = max(1, FFN_BLOCK_ELEMENTS // max(1, width))
+        return max(8, 1 << (fit.bit_length() - 1))  # the largest power of two that fits
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"COMERA_FFN_ROWS must be auto, off, all or a positive row count, got {raw!r}")
+    return int(raw)
+
+
+def tt_ffn(x: Tensor, inp: tuple[Tensor, Tensor], b_in: Tensor | None, out: tuple[Tensor, Tensor],
+           b_out: Tensor | None) -> Tensor:
+    """``out(gelu(inp(x)))`` for two TT layers given their factors: x: (..., N_in), ``inp`` = (L_in (N_in, r_in),
+    R_in (r_in, F)), ``out`` = (L_out (F, r_out), R_out (r_out, N_out)) -> (..., N_out).
+
+    The fused op (``contract.tt_ffn_lr``: the (T, F) middle remade in backward, in ``ffn_rows`` blocks), unless
+    ``ffn_rows`` says off or the input projection's shape runs in Triton (``resolve_backend``): then the two
+    layers as before, ``tt_linear`` and ``contract.tt_linear_lr_gelu``, which keeps the (T, F) pre-activation."""
+    (L_in, R_in), (L_out, R_out) = inp, out
+    x2d = x.reshape(-1, x.shape[-1])  # (T, N_in)
+    rows = ffn_rows(x2d, R_in.shape[1])
+    if rows == 0 or resolve_backend(x, "tt_linear", (L_in.shape[0], L_in.shape[1], R_in.shape[1])) == "triton":
+        y = contract.tt_linear_lr_gelu(tt_linear(x2d, L_in, R_in, b_in), L_out, R_out, b_out)  # (T, N_out)
+    else:
+        y = contract.tt_ffn_lr(x2d, (L_in, R_in, b_in), (L_out, R_out, b_out), rows=rows)  # (T, N_out)
+    return y.reshape(*x.shape[:-1], R_out.shape[-1])
+
+
 def ttm_lookup(ids: Tensor, A: Tensor, B: Tensor) -> Tensor:
     """Table-free TTM lookup; ids: (...) int64, A: (M1, N1, r), B: (r, M2, N2) -> (..., N1*N2).
 

@@ -152,6 +152,17 @@ def project_shared_input(layers: Sequence[nn.Module], x: Tensor, factors: Factor
     return dispatch.tt_linear_shared(x, lrs, [layer.bias for layer in layers])
 
 
+def project_ffn(inp: nn.Module, out: nn.Module, x: Tensor, factors: Factors | None) -> Tensor:
+    """``out(gelu(inp(x)))``, an FFN. When both are TT layers with their shared factors, as one op that keeps
+    no (T, F) tensor for backward (``kernels.dispatch.tt_ffn``); otherwise ``project`` twice, GELU fused into
+    ``out``'s input side, which keeps ``inp(x)``."""
+    lr_in, lr_out = (None, None) if factors is None else (factors.get(id(inp)), factors.get(id(out)))
+    if lr_in is None or lr_out is None:
+        return project(out, project(inp, x, factors), factors, gelu_input=True)
+    inp.check_input(x)
+    return dispatch.tt_ffn(x, lr_in, inp.bias, lr_out, out.bias)
+
+
 def project(layer: nn.Module, x: Tensor, factors: Factors | None, *, gelu_input: bool = False) -> Tensor:
     """``layer(x)``, with the layer's shared factors when ``factors`` holds them.
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
-from comera_dist.layers.group import Factors, project, project_shared_input
+from comera_dist.layers.group import Factors, project, project_ffn, project_shared_input
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.cpu_dropout import Dropout, attention
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
@@ -65,8 +65,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor, factors: Factors | None = None) -> Tensor:
         """x: (B, T, C) -> (B, T, C); factors as in ``SelfAttention.forward``."""
-        u = project(self.inp, x, factors)  # (B, T, ffn)
-        return project(self.out, u, factors, gelu_input=True)  # gelu fused into out: only u is saved
+        return project_ffn(self.inp, self.out, x, factors)  # (B, T, C); keeps no (B, T, ffn) tensor where TT
 
 
 class BertEmbeddings(nn.Module):

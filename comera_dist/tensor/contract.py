@@ -12,6 +12,7 @@ from torch import Tensor
 
 from comera_dist.tensor.accounting import from_right
 from comera_dist.tensor.fused import gelu_matmul, scaled_bmm, shared_input_lr
+from comera_dist.tensor.fused_ffn import lowrank_gelu
 from comera_dist.tensor.tt import build_precision, chain, matmul_operand_dtype, scale_bonds
 
 
@@ -46,6 +47,17 @@ def tt_linear_lr_gelu(x: Tensor, L: Tensor, R: Tensor, bias: Tensor | None = Non
     keeps ``x``, not ``gelu(x)`` too. Shapes as ``tt_linear_lr``."""
     h = gelu_matmul(x, L)  # (T, r)
     return h @ R if bias is None else torch.addmm(bias, h, R)  # (T, N_out)
+
+
+def tt_ffn_lr(x: Tensor, inp: tuple[Tensor, Tensor, Tensor | None], out: tuple[Tensor, Tensor, Tensor | None],
+              rows: int | None = None) -> Tensor:
+    """A TT FFN, ``tt_linear_lr_gelu(tt_linear_lr(x, *inp), *out)``, whose (T, F) middle is remade in backward
+    rather than kept (``tensor.fused_ffn``), ``rows`` tokens at a time. x: (T, N_in); ``inp`` = (L_in
+    (N_in, r_in), R_in (r_in, F), bias (F,) or None); ``out`` = (L_out (F, r_out), R_out (r_out, N_out), bias
+    (N_out,) or None). Returns (T, N_out)."""
+    (L_in, R_in, b_in), (L_out, R_out, b_out) = inp, out
+    t = lowrank_gelu(x @ L_in, R_in, b_in, L_out, rows)  # (T, r_out); keeps x L_in (T, r_in), not (T, F)
+    return t @ R_out if b_out is None else torch.addmm(b_out, t, R_out)  # (T, N_out)
 
 
 DEDUP = ("dynamic", "static")

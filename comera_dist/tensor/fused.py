@@ -42,7 +42,7 @@ def gelu_matmul(u: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return _GeluMatmul.apply(u, w, bias)
 
 
-def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+def autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The dtype autocast would cast ``t`` to for a matmul, or None (autocast off, or ``t`` not eligible)."""
     device_type = t.device.type if t.device.type in ("cpu", "cuda") else "cpu"
     if not torch.is_autocast_enabled(device_type) or not t.is_floating_point() or t.dtype == torch.float64:
@@ -50,7 +50,8 @@ def _autocast_dtype(t: Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+def cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` in ``dtype`` as autocast would cast an operand (None and float64 left alone; no dtype: ``t``)."""
     return t if t is None or dtype is None or t.dtype == torch.float64 else t.to(dtype)
 
 
@@ -60,11 +61,11 @@ class _GeluMatmul(torch.autograd.Function):
         ctx.w_dtype = w.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         ctx.device_type = u.device.type if u.device.type in ("cpu", "cuda") else "cpu"
-        dtype = _autocast_dtype(u) or _autocast_dtype(w)
+        dtype = autocast_dtype(u) or autocast_dtype(w)
         ctx.cast = dtype
         with torch.autocast(ctx.device_type, enabled=False):
-            w, bias = _cast(w, dtype), _cast(bias, dtype)
-            g = _cast(F.gelu(u), dtype)  # (T, F), a temporary: the backward recomputes it from u
+            w, bias = cast(w, dtype), cast(bias, dtype)
+            g = cast(F.gelu(u), dtype)  # (T, F), a temporary: the backward recomputes it from u
             out = g @ w if bias is None else torch.addmm(bias, g, w)  # (T, N)
         ctx.save_for_backward(u, w)  # w as cast (autocast keeps its cast copy the same way)
         return out
@@ -76,7 +77,7 @@ class _GeluMatmul(torch.autograd.Function):
         with torch.autocast(ctx.device_type, enabled=False):
             grad = grad.to(w.dtype)
             if ctx.needs_input_grad[1]:
-                grad_w = (_cast(F.gelu(u), ctx.cast).T @ grad).to(ctx.w_dtype)  # (F, N)
+                grad_w = (cast(F.gelu(u), ctx.cast).T @ grad).to(ctx.w_dtype)  # (F, N)
             if ctx.needs_input_grad[0]:
                 grad_u = torch.ops.aten.gelu_backward((grad @ w.T).to(u.dtype), u)  # (T, F)
             if ctx.needs_input_grad[2]:
@@ -112,22 +113,22 @@ class _SharedInputLR(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, n: int, *params: Tensor | None) -> tuple[Tensor, ...]:
         Ls, Rs, biases = params[:n], params[n:2 * n], params[2 * n:]
-        dtype = _autocast_dtype(x) or _autocast_dtype(Ls[0])
+        dtype = autocast_dtype(x) or autocast_dtype(Ls[0])
         ctx.n, ctx.cast, ctx.batched = n, dtype, _one_output_shape(Rs, biases)
         ctx.dtypes = [None if t is None else t.dtype for t in params]
         ctx.device_type = x.device.type if x.device.type in ("cpu", "cuda") else "cpu"
         with torch.autocast(ctx.device_type, enabled=False):
-            xc = _cast(x, dtype)
-            h = xc @ _cast(torch.cat(Ls, dim=1), dtype)  # (T, sum r_i); the concatenation is a temporary
+            xc = cast(x, dtype)
+            h = xc @ cast(torch.cat(Ls, dim=1), dtype)  # (T, sum r_i); the concatenation is a temporary
             if ctx.batched:  # each stack cast once, as autocast casts a plain op's operand
-                R = _cast(torch.stack(Rs), dtype)  # (n, r, N_out), a temporary too
+                R = cast(torch.stack(Rs), dtype)  # (n, r, N_out), a temporary too
                 hs = h.view(h.shape[0], n, R.shape[1]).transpose(0, 1)  # (n, T, r): a strided view
                 out = torch.bmm(hs, R) if biases[0] is None else \
-                    torch.baddbmm(_cast(torch.stack(biases), dtype).unsqueeze(1), hs, R)
+                    torch.baddbmm(cast(torch.stack(biases), dtype).unsqueeze(1), hs, R)
                 outs = tuple(out.unbind(0))  # (T, N_out) each
             else:
                 parts = h.split([L.shape[1] for L in Ls], dim=1)  # (T, r_i) views
-                outs = tuple(hi @ _cast(R, dtype) if b is None else torch.addmm(_cast(b, dtype), hi, _cast(R, dtype))
+                outs = tuple(hi @ cast(R, dtype) if b is None else torch.addmm(cast(b, dtype), hi, cast(R, dtype))
                              for hi, R, b in zip(parts, Rs, biases, strict=True))
         ctx.save_for_backward(xc, h, *Ls, *Rs)
         return outs
@@ -145,7 +146,7 @@ class _SharedInputLR(torch.autograd.Function):
             g = [t.to(h.dtype) for t in grads]  # (T, N_out_i) each
             if ctx.batched:
                 g3 = torch.stack(g)  # (n, T, N_out)
-                R = _cast(torch.stack(Rs), dtype)  # remade: (n, r, N_out)
+                R = cast(torch.stack(Rs), dtype)  # remade: (n, r, N_out)
                 hs = h.view(h.shape[0], n, R.shape[1]).transpose(0, 1)  # (n, T, r)
                 grad_h = torch.bmm(g3, R.transpose(1, 2)).transpose(0, 1).reshape(h.shape)  # (T, n r)
                 if any(need[2 + n:2 + 2 * n]):  # (r, N_out) each, cast once
@@ -154,13 +155,13 @@ class _SharedInputLR(torch.autograd.Function):
                     grad_bs = list(g3.sum(1).to(ctx.dtypes[2 * n]).unbind(0))  # (N_out,) each
             else:
                 parts = h.split([L.shape[1] for L in Ls], dim=1)
-                grad_h = torch.cat([gi @ _cast(R, dtype).T for gi, R in zip(g, Rs, strict=True)], dim=1)
+                grad_h = torch.cat([gi @ cast(R, dtype).T for gi, R in zip(g, Rs, strict=True)], dim=1)
                 for i, (hi, gi) in enumerate(zip(parts, g, strict=True)):
                     grad_Rs[i] = hi.T @ gi if need[2 + n + i] else None  # (r_i, N_out_i)
                     grad_bs[i] = gi.sum(0) if need[2 + 2 * n + i] else None
             if any(need[2:2 + n]):
                 grad_Ls = list((xc.T @ grad_h).to(ctx.dtypes[0]).split([L.shape[1] for L in Ls], dim=1))  # views
-            grad_x = grad_h @ _cast(torch.cat(Ls, dim=1), dtype).T if need[0] else None  # remade concatenation
+            grad_x = grad_h @ cast(torch.cat(Ls, dim=1), dtype).T if need[0] else None  # remade concatenation
         return (grad_x, None, *grad_Ls, *grad_Rs, *grad_bs)  # autograd casts each to its input's dtype
 
 

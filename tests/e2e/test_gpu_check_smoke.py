@@ -34,7 +34,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "pretrain-z3", "bench-kernels", "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
                                                      "bench-six-encoder-recompute", "bench-six-encoder-align1",
-                                                     "bench-six-encoder-nolt",
+                                                     "bench-six-encoder-nolt", "bench-six-encoder-ffn-off",
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs"]
     for stage in (1, 2, 3):
@@ -61,6 +61,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert nolt["config"]["cublaslt_env"] == {"DISABLE_ADDMM_CUDA_LT": "1", "TORCH_BLAS_PREFER_CUBLASLT": "0"}
     assert ws["config"]["cublaslt_env"] == {"DISABLE_ADDMM_CUDA_LT": None, "TORCH_BLAS_PREFER_CUBLASLT": None}
     assert all(r["workspace_MiB"] == 0 for r in nolt["rows"])  # the CPU has no cuBLAS workspaces
+    ffn_off = json.loads((out / "six-encoder-ffn-off.json").read_text())  # CoMERA's TT FFN unfused
+    assert ffn_off["config"]["ffn_rows"] == "off" and ws["config"]["ffn_rows"] == "auto"
+    assert summary["metrics"]["six-encoder-ffn-off"]["speedup_vs_dense_b1_cpu_fp32"] > 0
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     # --profile: each row's kernels by kind, in the summary and its printout

@@ -147,11 +147,13 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
     model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
     ids = torch.randint(0, 50, (2, 8))
     used = []  # layers applied with their shared factors
-    real_project, real_shared = group_mod.project, group_mod.project_shared_input
+    real_project, real_shared, real_ffn = group_mod.project, group_mod.project_shared_input, group_mod.project_ffn
     monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors, **kw: used.append(
         factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
     monkeypatch.setattr("comera_dist.models.blocks.project_shared_input", lambda layers, x, factors: used.extend(
         factors is not None and id(layer) in factors for layer in layers) or real_shared(layers, x, factors))
+    monkeypatch.setattr("comera_dist.models.blocks.project_ffn", lambda inp, out, x, factors: used.extend(
+        factors is not None and id(layer) in factors for layer in (inp, out)) or real_ffn(inp, out, x, factors))
     real = group_mod.shared_factors
     results = []
     with torch.no_grad():  # gates of different values, some below tau, so R's surviving set matters

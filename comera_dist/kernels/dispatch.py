@@ -199,12 +199,14 @@ F = 3072, so 128 rows) ran fwd + bwd in 130-136 ms against 226-241 ms unfused; 1
 def ffn_rows(t: Tensor, width: int) -> int:
     """Tokens per block of the fused TT FFN for activations like ``t`` and FFN width ``width``; 0 for the
     unfused ops. ``COMERA_FFN_ROWS`` forces it: ``off`` (the unfused ops), ``all`` (one block), or a count.
-    Default: blocks of ``FFN_BLOCK_ELEMENTS`` on the CPU, where the wide tensors then stay in cache; one
-    block elsewhere, where a block costs a launch of every kernel in it."""
+    Default: blocks of ``FFN_BLOCK_ELEMENTS`` on the CPU in eager mode, where the wide tensors then stay in
+    cache; one block on a GPU, where a block costs a launch of every kernel in it, and so under
+    ``static_shapes()`` (the GPU's step emulated on the CPU, ``bench ops``) and ``torch.compile``."""
     raw = os.environ.get("COMERA_FFN_ROWS", "auto").strip().lower()
     if raw == "off":
         return 0
-    if raw == "all" or (raw == "auto" and t.device.type != "cpu"):
+    gpu_like = t.device.type != "cpu" or _static or torch.compiler.is_compiling()
+    if raw == "all" or (raw == "auto" and gpu_like):
         return max(1, t.numel() // max(1, t.shape[-1]))
     if raw == "auto":
         fit = max(1, FFN_BLOCK_ELEMENTS // max(1, width))

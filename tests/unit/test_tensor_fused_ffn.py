@@ -176,6 +176,8 @@ def test_ffn_rows_reads_its_setting(monkeypatch):
     monkeypatch.delenv("COMERA_FFN_ROWS", raising=False)
     assert dispatch.ffn_rows(t, 3072) == 128  # the CPU: blocks of at most FFN_BLOCK_ELEMENTS, a power of two rows
     assert dispatch.ffn_rows(t, 1024) == 512 and dispatch.ffn_rows(t, 10**9) == 8  # never fewer than 8 rows
+    with dispatch.static_shapes():  # the GPU's step emulated on the CPU: one block, as on a GPU
+        assert dispatch.ffn_rows(t, 3072) == 4096
     for raw, rows in (("off", 0), ("all", 4096), ("64", 64), (" ALL ", 4096)):
         monkeypatch.setenv("COMERA_FFN_ROWS", raw)
         assert dispatch.ffn_rows(t, 3072) == rows

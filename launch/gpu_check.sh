@@ -58,7 +58,7 @@ if [ "$MODE" = gpu ]; then
   STEPS=24 CKPT=12 PRUNE=6 LATE=4 TOL=2e-2
   KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py
                 tests/unit/test_bench_compile_stats.py tests/unit/test_bench_kernel_time.py
-                tests/unit/test_tensor_fused_shared.py tests/unit/test_models_cpu_dropout.py
+                tests/unit/test_tensor_fused_shared.py tests/unit/test_tensor_fused_ffn.py tests/unit/test_models_cpu_dropout.py
                 tests/unit/test_bench_workspace.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   # --profile: each eager step's kernels at batch 32 timed by kind (config.kernel_time): where the device time goes

@@ -3,7 +3,8 @@
 The fused op must equal ``gelu(h R + b) L`` forward and backward in every row blocking, keep no (T, F)
 tensor for backward (measured with saved-tensor hooks), and compute what the plain ops do under autocast.
 ``kernels.dispatch.tt_ffn`` must give the same FFN on both of its paths, and the six-encoder-like model the
-same loss and gradients with the fused FFN on and off.
+same loss and gradients with the fused FFN on and off. The CUDA cases need a GPU (``launch/gpu_check.sh``'s
+kernel-tests run this file).
 """
 
 import pytest
@@ -14,6 +15,9 @@ from comera_dist.kernels import dispatch
 from comera_dist.layers import TTLinear
 from comera_dist.tensor import contract
 from comera_dist.tensor.fused_ffn import lowrank_gelu
+
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
 
 
 def _saved_bytes(fn):
@@ -221,3 +225,40 @@ def test_models_give_the_same_loss_and_gradients_with_the_fused_ffn_on_and_off(m
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32", "bf16", "autocast"])
+def test_tt_ffn_default_equals_the_unfused_layers_on_the_device(monkeypatch, device, dtype, autocast):
+    """The device's default blocking (one block on a GPU, 128 tokens on the CPU) against ``COMERA_FFN_ROWS=off``, at
+    the six-encoder's FFN width, 300 tokens: outputs and gradients in each input's dtype."""
+    g = torch.Generator().manual_seed(11)
+    shapes = {"x": (300, 768), "L_in": (768, 32), "R_in": (32, 3072), "b_in": (3072,), "L_out": (3072, 32),
+              "R_out": (32, 768), "b_out": (768,)}
+    base = {k: (torch.randn(v, generator=g) / (v[0] ** 0.5 if len(v) == 2 else 1.0)).to(device, dtype)
+            for k, v in shapes.items()}
+    monkeypatch.delenv("COMERA_FFN_ROWS", raising=False)
+    assert dispatch.ffn_rows(base["x"], 3072) == (300 if device == "cuda" else 128)
+    res = []
+    for setting in ("auto", "off"):
+        monkeypatch.setenv("COMERA_FFN_ROWS", setting)
+        t = {k: v.clone().requires_grad_() for k, v in base.items()}
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            y = dispatch.tt_ffn(t["x"], (t["L_in"], t["R_in"]), t["b_in"], (t["L_out"], t["R_out"]), t["b_out"])
+        assert y.dtype == (torch.bfloat16 if autocast else dtype)
+        y.float().square().sum().backward()
+        assert all(t[k].grad.dtype == dtype for k in t)
+        res.append([y] + [t[k].grad for k in shapes])
+    if dtype == torch.float32 and not autocast:
+        for a, p in zip(*res, strict=True):
+            torch.testing.assert_close(a, p)
+        return
+    # bf16: the fused op rounds differently (other GEMM splits, the blocks' sums), so each output is held to
+    # FlashAttention's rule: at most 2x the unfused bf16 path's error against the same FFN in fp64
+    t = {k: v.double().cpu().requires_grad_() for k, v in base.items()}
+    y = F.gelu(t["x"] @ t["L_in"] @ t["R_in"] + t["b_in"]) @ t["L_out"] @ t["R_out"] + t["b_out"]
+    y.square().sum().backward()
+    exact = [y] + [t[k].grad for k in shapes]
+    for a, p, e in zip(*res, exact, strict=True):
+        assert _rel(a.cpu(), e) <= 2 * _rel(p.cpu(), e) + 1e-6

@@ -7,23 +7,12 @@ The fused op must equal ``F.gelu(u) @ w`` forward and backward, and it must keep
 import pytest
 import torch
 import torch.nn.functional as F
+from autograd_testlib import saved_storages
 
 from comera_dist.layers import TTLinear
 from comera_dist.layers.dense import Linear
 from comera_dist.tensor import contract
 from comera_dist.tensor.fused import gelu_matmul, scaled_bmm
-
-
-def _saved_bytes(fn):
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, seen
 
 
 def test_gelu_matmul_passes_gradcheck_in_fp64():
@@ -77,8 +66,8 @@ def test_gelu_matmul_leaves_fp64_alone_under_autocast():
 def test_gelu_matmul_keeps_the_pre_activation_only():
     u = torch.randn(128, 256, requires_grad=True)
     w = torch.randn(256, 8, requires_grad=True)
-    _, fused = _saved_bytes(lambda: gelu_matmul(u, w))
-    _, plain = _saved_bytes(lambda: F.gelu(u) @ w)
+    _, fused = saved_storages(lambda: gelu_matmul(u, w))
+    _, plain = saved_storages(lambda: F.gelu(u) @ w)
     leaf = {u.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
     assert sum(b for k, b in fused.items() if k not in leaf) == 0  # u and w only
     assert sum(b for k, b in plain.items() if k not in leaf) == 128 * 256 * 4  # gelu(u) as well
@@ -143,9 +132,9 @@ def test_dense_linear_under_zero3_takes_the_unfused_path():
     torch.manual_seed(9)
     layer = Linear(48, 16)
     x = torch.randn(5, 48, requires_grad=True)
-    _, fused = _saved_bytes(lambda: layer(x, gelu_input=True))
+    _, fused = saved_storages(lambda: layer(x, gelu_input=True))
     layer.weight.ds_id = 0
-    y, zero3 = _saved_bytes(lambda: layer(x, gelu_input=True))
+    y, zero3 = saved_storages(lambda: layer(x, gelu_input=True))
     weight = layer.weight.untyped_storage().data_ptr()
     assert weight in fused and weight in zero3  # each saves the weight: as a view of it, or as itself
     assert len(zero3) > len(fused)  # ... and unfused, gelu(x) as well
@@ -198,7 +187,7 @@ def test_scaled_bmm_equals_bmm_of_the_scaled_core_and_keeps_no_scaled_copy(core_
             s = c * m.view(G, 1, 1, -1)
             return torch.bmm(s.reshape(G, r * n, r2), a) if core_left else torch.bmm(a, s.reshape(G, r, n * r2))
 
-        y, seen = _saved_bytes(step)
+        y, seen = saved_storages(step)
         y.square().sum().backward()
         res.append((y, stack.grad.clone(), m.grad, a.grad))
         leaves = {t.untyped_storage().data_ptr() for t in (stack, m, a)}

@@ -10,6 +10,7 @@ kernel-tests run this file).
 import pytest
 import torch
 import torch.nn.functional as F
+from autograd_testlib import saved_storages
 
 from comera_dist.kernels import dispatch
 from comera_dist.layers import TTLinear
@@ -18,18 +19,6 @@ from comera_dist.tensor.fused_ffn import lowrank_gelu
 
 ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])
-
-
-def _saved_bytes(fn):
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, seen
 
 
 def _operands(T=37, r_in=5, F_=24, r_out=3, dtype=torch.float32, bias=True, seed=0):
@@ -111,8 +100,8 @@ def test_lowrank_gelu_under_autocast_computes_what_the_plain_ops_do(h_dtype):
 @pytest.mark.parametrize("rows", [None, 16])
 def test_lowrank_gelu_keeps_no_wide_tensor(rows):
     h, R, b, L = (t.requires_grad_() for t in _operands(T=128, F_=256, r_in=8, r_out=8))
-    _, fused = _saved_bytes(lambda: lowrank_gelu(h, R, b, L, rows))
-    _, plain = _saved_bytes(lambda: _plain(h, R, b, L))
+    _, fused = saved_storages(lambda: lowrank_gelu(h, R, b, L, rows))
+    _, plain = saved_storages(lambda: _plain(h, R, b, L))
     leaves = {t.untyped_storage().data_ptr() for t in (h, R, b, L)}
     assert sum(n for k, n in fused.items() if k not in leaves) == 0  # h and the factors only
     assert sum(n for k, n in plain.items() if k not in leaves) >= 2 * 128 * 256 * 4  # u and gelu(u)

@@ -8,6 +8,7 @@ The CUDA cases need a GPU (``launch/gpu_check.sh``'s kernel-tests run this file)
 
 import pytest
 import torch
+from autograd_testlib import saved_storages
 
 from comera_dist.tensor.fused import shared_input_lr
 
@@ -87,18 +88,6 @@ def test_shared_input_lr_equals_the_plain_ops_forward_and_backward(case, dtype, 
         torch.testing.assert_close(a, b)
 
 
-def _saved(fn, *args):
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return seen
-
-
 @pytest.mark.parametrize("ranks", [(4, 4, 4), (4, 2, 3)], ids=["one-shape", "ragged"])
 def test_shared_input_lr_keeps_the_factors_not_their_concatenation_and_stack(ranks):
     """The factors are views of their group's stacked contraction (``layers.group``), as in a model: the
@@ -110,8 +99,8 @@ def test_shared_input_lr_keeps_the_factors_not_their_concatenation_and_stack(ran
     Ls = [L[:, :k] for L, k in zip(L_stack.unbind(0), ranks, strict=True)]
     Rs = [R[:k] for R, k in zip(R_stack.unbind(0), ranks, strict=True)]
     bs = [None] * 3
-    fused = _saved(shared_input_lr, x, Ls, Rs, bs)
-    plain = _saved(_plain, x, Ls, Rs, bs)
+    _, fused = saved_storages(lambda: shared_input_lr(x, Ls, Rs, bs))
+    _, plain = saved_storages(lambda: _plain(x, Ls, Rs, bs))
     h_bytes = T * sum(ranks) * 4
     kept = {x.untyped_storage().data_ptr(), L_stack.untyped_storage().data_ptr(),
             R_stack.untyped_storage().data_ptr()}

@@ -36,7 +36,7 @@ def lowrank_gelu(h: Tensor, R: Tensor, bias: Tensor | None, L: Tensor, rows: int
         raise ValueError(f"lowrank_gelu: bias must have shape ({R.shape[1]},), got {tuple(bias.shape)}")
     if rows is not None and rows < 1:
         raise ValueError(f"lowrank_gelu: rows must be >= 1 or None, got {rows}")
-    return _LowRankGelu.apply(h, R, bias, L, rows or h.shape[0])
+    return _LowRankGelu.apply(h, R, bias, L, rows or max(1, h.shape[0]))
 
 
 def _blocks(total: int, rows: int) -> list[tuple[int, int]]:

@@ -107,6 +107,15 @@ def test_lowrank_gelu_keeps_no_wide_tensor(rows):
     assert sum(n for k, n in plain.items() if k not in leaves) >= 2 * 128 * 256 * 4  # u and gelu(u)
 
 
+@pytest.mark.parametrize("rows", [None, 4])
+def test_lowrank_gelu_takes_no_tokens(rows):
+    h, R, b, L = (t.requires_grad_() for t in _operands(T=0))
+    y = lowrank_gelu(h, R, b, L, rows)
+    assert y.shape == (0, 3)
+    y.sum().backward()
+    assert h.grad.shape == (0, 5) and R.grad.abs().sum() == 0 and L.grad.abs().sum() == 0
+
+
 def test_lowrank_gelu_names_bad_input():
     h, R, b, L = _operands()
     with pytest.raises(ValueError, match=r"h \(T, r_in\), R \(r_in, F\) and L \(F, r_out\).*\(37, 5\), \(5, 24\) and \(23, 3\)"):

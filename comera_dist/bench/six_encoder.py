@@ -271,7 +271,7 @@ def main(argv: list[str]) -> int:
     config = {"steps": steps, "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "target": {"speedup_vs_dense_b32": 5.0}, "profile_batch": b_top, "profile": profiles,
               "threads": torch.get_num_threads(), "rank_align": dispatch.aligned_rank(1),
-              "ffn_rows": os.environ.get("COMERA_FFN_ROWS", "auto"),  # CoMERA's fused TT FFN (dispatch.ffn_rows)
+              "ffn_rows": dispatch.ffn_setting(),  # CoMERA's fused TT FFN (dispatch.ffn_rows)
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     write_result(args.json, "six-encoder", metrics, rows, config)
     return 0

@@ -295,7 +295,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
               # CoMERA's grouped factors padded to a middle rank that is a multiple of this (COMERA_RANK_ALIGN)
               "rank_align": dispatch.aligned_rank(1),
               # CoMERA's TT FFN: fused, its (T, F) middle remade in backward (auto; one block on a GPU), or off
-              "ffn_rows": os.environ.get("COMERA_FFN_ROWS", "auto"),
+              "ffn_rows": dispatch.ffn_setting(),
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     metrics = {k + suffix: v for k, v in metrics_of(rows, sizes, dev).items()}
     write_result(args.json, "six-encoder", metrics, rows, config)

@@ -196,13 +196,18 @@ F = 3072, so 128 rows) ran fwd + bwd in 130-136 ms against 226-241 ms unfused; 1
 152-165 (two sweeps on this 2-core CPU: `docs/bench/raw/ffn-rows-cpu.txt`)."""
 
 
+def ffn_setting() -> str:
+    """``COMERA_FFN_ROWS`` as ``ffn_rows`` reads it (``auto`` when unset); the benchmarks record it."""
+    return os.environ.get("COMERA_FFN_ROWS", "auto").strip().lower()
+
+
 def ffn_rows(t: Tensor, width: int) -> int:
     """Tokens per block of the fused TT FFN for activations like ``t`` and FFN width ``width``; 0 for the
     unfused ops. ``COMERA_FFN_ROWS`` forces it: ``off`` (the unfused ops), ``all`` (one block), or a count.
     Default: blocks of ``FFN_BLOCK_ELEMENTS`` on the CPU in eager mode, where the wide tensors then stay in
     cache; one block on a GPU, where a block costs a launch of every kernel in it, and so under
     ``static_shapes()`` (the GPU's step emulated on the CPU, ``bench ops``) and ``torch.compile``."""
-    raw = os.environ.get("COMERA_FFN_ROWS", "auto").strip().lower()
+    raw = ffn_setting()
     if raw == "off":
         return 0
     gpu_like = t.device.type != "cpu" or _static or torch.compiler.is_compiling()

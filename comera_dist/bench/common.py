@@ -24,6 +24,23 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def workload_options(p: argparse.ArgumentParser, *, smoke_help: str = "tiny model of the same architecture (CI)",
+                     threads_help: str = "torch.set_num_threads") -> None:
+    """``--smoke`` and ``--threads N``, the options of the benchmarks that build the six-encoder themselves."""
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument("--threads", type=int, default=None, help=threads_help)
+
+
+def counts(p: argparse.ArgumentParser, args: argparse.Namespace, *, steps: int, batch: int) -> tuple[int, int]:
+    """``(--steps, --batch-size)``, each the benchmark's default when not given; a usage error (exit 2)
+    naming both when either is below 1."""
+    n = steps if args.steps is None else args.steps
+    b = batch if args.batch_size is None else args.batch_size
+    if n < 1 or b < 1:
+        p.error(f"--steps and --batch-size must be >= 1, got {n} and {b}")
+    return n, b
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     info: dict[str, Any] = {

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, counts, workload_options, write_result
 from comera_dist.bench.memory_probe import run_probe
 from comera_dist.bench.six_encoder import GALORE
 
@@ -29,16 +29,12 @@ ORDER = ("dense", "galore", "comera")
 
 def main(argv: list[str]) -> int:
     p = base_parser("galore", "six-encoder batch 1: dense AdamW vs GaLoreAdamW vs CoMERA, time and memory")
-    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
+    workload_options(p, threads_help="torch.set_num_threads in each worker")
     p.add_argument("--recompute", action="store_true",
                    help="every contender recomputes each block's activations in backward "
                         "(model.activation_checkpointing); metrics end in _recompute, memory ratios from the peak")
     args = p.parse_args(argv)
-    steps = 5 if args.steps is None else args.steps
-    batch = 1 if args.batch_size is None else args.batch_size
-    if steps < 1 or batch < 1:
-        p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
+    steps, batch = counts(p, args, steps=5, batch=1)
     load_start = os.getloadavg()
     results = {name: run_probe(workload="six-encoder", contender=name, batch_size=batch, steps=steps,
                                smoke=args.smoke, threads=args.threads, profile=True, recompute=args.recompute)

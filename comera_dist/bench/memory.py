@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, counts, workload_options, write_result
 from comera_dist.bench.memory_probe import run_probe
 
 ROLES = ("params", "grads", "optimizer", "activations", "total")
@@ -18,13 +18,9 @@ ROLES = ("params", "grads", "optimizer", "activations", "total")
 
 def main(argv: list[str]) -> int:
     p = base_parser("memory", "six-encoder memory by role (params, grads, optimizer, activations), dense vs CoMERA")
-    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
+    workload_options(p, threads_help="torch.set_num_threads in each worker")
     args = p.parse_args(argv)
-    steps = 1 if args.steps is None else args.steps
-    batch = 32 if args.batch_size is None else args.batch_size
-    if steps < 1 or batch < 1:
-        p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch}")
+    steps, batch = counts(p, args, steps=1, batch=32)
     load_start = os.getloadavg()
     rows: list[dict[str, Any]] = []
     threads = None

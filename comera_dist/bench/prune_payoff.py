@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, counts, workload_options, write_result
 from comera_dist.bench.six_encoder import Contender, make_contender, random_batch, top_ops
 from comera_dist.compression.accounting import compression_report
 from comera_dist.compression.pruning import apply_plan, make_plan
@@ -61,14 +61,10 @@ def physical_tt_flops(model: torch.nn.Module) -> int:
 
 def main(argv: list[str]) -> int:
     p = base_parser("prune-payoff", "CoMERA step time before/after physical pruning vs the FLOP ratio")
-    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    workload_options(p)
     p.add_argument("--keep", type=float, default=0.5, help="fraction of each bond's ranks that survives")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
-    steps = 3 if args.steps is None else args.steps
-    batch_size = 32 if args.batch_size is None else args.batch_size
-    if steps < 1 or batch_size < 1:
-        p.error(f"--steps and --batch-size must be >= 1, got {steps} and {batch_size}")
+    steps, batch_size = counts(p, args, steps=3, batch=32)
     if not 0 < args.keep <= 1:
         p.error(f"--keep must be in (0, 1], got {args.keep}")
     if args.threads:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, workload_options, write_result
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.compression.accounting import model_size
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
@@ -209,9 +209,8 @@ def top_ops(fn: Callable[[], Any], n: int = 8) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     p = base_parser("six-encoder", "six-encoder step time and memory, dense vs CoMERA, batch 1/8/32")
-    p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
+    workload_options(p, threads_help="torch.set_num_threads (default: torch's)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--device", default=None,
                    help="run the device comparison (dense, CoMERA, GaLore; fp32 and bf16) on this device, "
                         "e.g. cuda; metrics carry the device type. Default: cuda when a GPU is visible, "

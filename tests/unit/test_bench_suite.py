@@ -163,6 +163,14 @@ def test_bad_steps_is_a_usage_error(mod, capsys):
     assert "--steps" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mod", [prune_payoff, galore, memory])
+def test_bad_batch_size_is_a_usage_error(mod, capsys):
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--smoke", "--batch-size", "0"])
+    assert exc.value.code == 2
+    assert "--steps and --batch-size must be >= 1, got" in capsys.readouterr().err
+
+
 def test_bad_contender_and_config(tmp_path: Path):
     with pytest.raises(ValueError, match="contender must be one of .*'adam'"):
         six_encoder.make_contender("adam", smoke=True)

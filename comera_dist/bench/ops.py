@@ -12,7 +12,9 @@ tensor) plus the ops whose output size depends on the data (``SYNC_OPS``: ``nonz
 one waits for the device.
 
 ``kernel_ops`` leaves out the ops that only make views (``view``, ``t``, ``select``,
-``detach`` ...): those launch nothing on a GPU, though each still costs host time in eager mode.
+``detach`` ...) and the ops with no tensor among their arguments and results (``promote_types``, the
+profiler's ``record_function`` markers): those launch nothing on a GPU, though each still costs host
+time in eager mode.
 
 Two policies are counted per contender:
 
@@ -86,6 +88,12 @@ def _indexes_with_bool(args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()) if i is not None)
 
 
+def _host_only(func) -> bool:
+    """An op with no tensor among its arguments and results (``Tensor``, ``Tensor?``, ``Tensor[]`` ...)."""
+    schema = func._schema
+    return not any("Tensor" in str(a.type) for a in (*schema.arguments, *schema.returns))
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops (and the syncing ones) dispatched while active."""
 
@@ -94,11 +102,13 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
         self.syncs: collections.Counter[str] = collections.Counter()
         self.views = 0  # ops that only make views (no kernel launch on a GPU)
+        self.host_only = 0  # ops that touch no tensor (no kernel launch anywhere)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         self.ops[name] += 1
         self.views += bool(getattr(func, "is_view", False))
+        self.host_only += _host_only(func)
         kwargs = kwargs or {}
         if name in SYNC_OPS or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None
                                 and func is _aten.repeat_interleave.Tensor):
@@ -139,7 +149,7 @@ def measure(name: str, *, smoke: bool, batch_size: int, policy: str,
         counter = count_step(lambda: c.train_step(batch))
     total = sum(counter.ops.values())
     return {"contender": name, "policy": policy, "precision": "bf16" if autocast else "fp32",
-            "ops": total, "kernel_ops": total - counter.views,
+            "ops": total, "kernel_ops": total - counter.views - counter.host_only,
             "gemms": sum(counter.ops[f"aten.{op}"] for op in GEMM_OPS),
             "syncs": sum(counter.syncs.values()), "sync_ops": dict(counter.syncs.most_common()),
             "top_ops": dict(counter.ops.most_common(12))}

@@ -20,7 +20,20 @@ def test_counter_sees_syncs_and_data_dependent_shapes():
         x.view(2, 3)
     assert c.syncs["aten._local_scalar_dense"] == 1 and c.syncs["aten._unique2"] == 1
     assert c.syncs["aten.index(bool mask)"] == 1 and c.syncs["aten.repeat_interleave"] == 1
-    assert sum(c.syncs.values()) == 4 and c.views >= 1
+    assert sum(c.syncs.values()) == 4 and c.views >= 1 and c.host_only == 0
+
+
+def test_counter_tells_host_only_ops_from_kernels():
+    """``promote_types`` and the profiler's markers touch no tensor; in-place list ops (the fused AdamW's
+    ``_foreach_*``) return nothing and factories (``zeros``) take no tensor, but both launch kernels."""
+    xs = [torch.ones(2), torch.ones(3)]
+    with ops.OpCounter() as c:
+        torch.promote_types(torch.float32, torch.bfloat16)
+        with torch.autograd.profiler.record_function("marker"):
+            torch._foreach_add_(xs, 1.0)
+            torch.zeros(2)
+    assert c.ops["aten.promote_types"] == 1 and c.ops["aten._foreach_add_"] == 1 and c.ops["aten.zeros"] == 1, c.ops
+    assert c.host_only == sum(c.ops.values()) - 2, c.ops  # all but the foreach add and the zeros
 
 
 def test_ops_smoke_static_step_has_no_sync(tmp_path):

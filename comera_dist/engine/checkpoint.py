@@ -16,6 +16,10 @@ the manifest and renames the directory to its final tag; then the ranks re-verif
 published files against the manifest, and only a verified checkpoint moves ``latest`` and lets
 retention delete older ones. A crash at any point leaves ``latest`` on the previous complete
 checkpoint; leftovers of temporary tags are ignored by ``resume auto`` and removed by the next save.
+Re-saving the step ``latest`` names (a job stopped right after its resume) moves the old copy aside,
+renames the new one in, then deletes the old: a crash between the two renames leaves ``latest`` naming
+no directory beside a complete ``.tmp-<tag>``, and ``resume auto`` publishes that one
+(``finish_interrupted``).
 
 Resume (``choose``): every rank verifies the files it will read (all of them: DeepSpeed reads
 every ZeRO shard on every rank) before anything unpickles a byte, and the verdicts are
@@ -135,10 +139,13 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
             before_publish(tmp_dir)
         files = {k: v for part in parts for k, v in part.items()}
         _write_atomic(tmp_dir / MARKER, manifest.render(tag, files))
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            shutil.rmtree(final)
+        replaced = root / f"{TMP_PREFIX}replaced-{tag}"
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it, never delete it first
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
         os.rename(tmp_dir, final)
         _fsync_dir(root)
+        shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
     # Read the published files back against the manifest before anything older may go.
     problems = _agree(manifest.verify(final, manifest.read(final), _my_share(names)))
@@ -194,9 +201,35 @@ def latest_complete(root: Path) -> Path | None:
     return done[0] if done else None
 
 
+def finish_interrupted(root: Path) -> Path | None:
+    """Publish the checkpoint a crash left between ``save``'s two renames of a re-saved step: ``latest`` names a
+    tag with no directory while ``.tmp-<tag>`` holds its manifest marker (written once every file was on disk
+    and described). Returns the published directory, None when there is nothing to finish.
+
+    Safe on every rank at once: the rename is atomic, and a rank that loses the race finds the directory in
+    place. The files are verified like any other candidate's before a resume reads them."""
+    pointer = root / LATEST
+    tag = pointer.read_text().strip() if pointer.is_file() else ""
+    final, pending = root / tag, root / (TMP_PREFIX + tag)
+    if not _TAG.match(tag) or final.exists() or not (pending / MARKER).is_file():
+        return None
+    try:
+        os.rename(pending, final)
+    except OSError as e:  # another rank published it first, or the directory is read-only
+        if not is_complete(final):
+            log.warning("checkpoint %s: a crash interrupted its publication, and %s could not be published: %s",
+                        final, pending.name, e)
+            return None
+    log.warning("checkpoint %s: a crash interrupted its publication after every file was written; published it "
+                "from %s", final, pending.name)
+    return final
+
+
 def candidates_auto(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads)."""
+    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads); first
+    publishes one that a crash left half-renamed (``finish_interrupted``)."""
     root = Path(root)
+    finish_interrupted(root)
     done = complete_checkpoints(root)[::-1]
     pointer = root / LATEST
     if pointer.is_file():

@@ -1,6 +1,6 @@
-"""``engine.checkpoint`` file logic through the real ``save``: re-saving a step, a stale temporary tag,
-retention by ``keep`` alone, ``latest`` naming a missing or incomplete checkpoint, and ``resolve`` /
-``choose`` given a checkpoints root or one checkpoint.
+"""``engine.checkpoint`` file logic through the real ``save``: re-saving a step (and a crash while it does),
+a stale temporary tag, retention by ``keep`` alone, ``latest`` naming a missing or incomplete checkpoint,
+and ``resolve`` / ``choose`` given a checkpoints root or one checkpoint.
 
 A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group, so
 ``save`` runs its real collectives and DeepSpeed writes its real files. Retention with
@@ -62,6 +62,32 @@ def test_resaving_a_step_replaces_it(engine, tmp_path):
     path = _save(engine, tmp_path, 4, weight=2.0)  # e.g. the same step again after a resume
     assert _weight(path) == 2.0 and ckpt.check(path) == [] and _steps(tmp_path) == [4]
     assert (tmp_path / ckpt.LATEST).read_text() == ckpt.tag_for(4)
+    assert not list(tmp_path.glob(ckpt.TMP_PREFIX + "*"))
+
+
+@pytest.mark.parametrize("crash_at_rename", [1, 2])
+def test_a_crash_while_resaving_a_step_loses_neither_copy(engine, tmp_path, monkeypatch, crash_at_rename):
+    """Killed at the first rename (the old copy aside) or the second (the new one in): ``resume auto`` still
+    finds step 4, the old copy or the new one, verified, and never starts over."""
+    first = _save(engine, tmp_path, 4, weight=1.0)
+    rename, calls = ckpt.os.rename, []
+
+    def crash(src, dst):
+        calls.append((src, dst))
+        if len(calls) == crash_at_rename:
+            raise KeyboardInterrupt("killed")  # nothing after this line of save runs
+        rename(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.os, "rename", crash)
+        with pytest.raises(KeyboardInterrupt):
+            _save(engine, tmp_path, 4, weight=2.0)
+    assert (tmp_path / ckpt.LATEST).read_text() == ckpt.tag_for(4)
+    assert first.exists() == (crash_at_rename == 1)
+    assert ckpt.choose("auto", tmp_path) == first and ckpt.check(first) == []
+    assert _weight(first) == (1.0 if crash_at_rename == 1 else 2.0)
+    path = _save(engine, tmp_path, 5, weight=3.0)  # the next save sweeps what the crash left
+    assert _steps(tmp_path) == [4, 5] and _weight(path) == 3.0
     assert not list(tmp_path.glob(ckpt.TMP_PREFIX + "*"))
 
 

@@ -60,6 +60,17 @@ class ControllerState:
     at the next ``begin_step`` compares. Absent from checkpoints written before it existed (None)."""
 
 
+class RanksCollapsed(RuntimeError):
+    """Every gate of every TT layer is at or below tau: the model size S is 0, and training cannot recover."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "every rank of every TT layer is dead (each gate at or below comera.controller.tau: model size S = 0). "
+            "The compressed layers now output only their biases, and a dead gate gets no gradient, so no rank can "
+            "come back. The rank penalty pushed every gate under tau: lower comera.controller.gamma or "
+            "comera.lr.gates, then resume from a checkpoint written before the collapse, or start over")
+
+
 _OPTIONAL_STATE = frozenset({"last_loss"})
 """State keys a checkpoint may lack (added later; their defaults apply)."""
 
@@ -209,5 +220,7 @@ def _check_global(global_loss: float, global_size: int) -> None:
 
 
 def _check_size(global_size: float) -> None:
+    if global_size == 0:
+        raise RanksCollapsed()
     if not global_size > 0:
         raise ValueError(f"RankController: global_size must be > 0, got {global_size}")

@@ -8,6 +8,9 @@ The loop only calls components. Its contract with the outside world:
   with a checkpoint of the last good state (skipped steps never touch the weights); also, without
   a checkpoint, when non-finite gradients were applied (``session.NonFiniteGradientsApplied``:
   bf16 with ``deepspeed.bf16_overflow_check=false``);
+* exit ``EXIT_COLLAPSED`` (4), without a checkpoint, once every rank of every TT layer is dead
+  (``compression.controller.RanksCollapsed``: S = 0, which no gradient can undo), found where S is read:
+  at every ``train.log_every`` step, at a prune, and at the switch to the late stage;
 * ``resume="auto"`` continues from the latest complete checkpoint under ``train.output_dir``.
 """
 
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
+from comera_dist.compression.controller import RanksCollapsed
 from comera_dist.config import RunConfig, check_world_size
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete
 from comera_dist.engine.device import accelerator_device, collective_tensor
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_NONFINITE = 3
+EXIT_COLLAPSED = 4
 
 
 @dataclass(slots=True)
@@ -120,8 +125,11 @@ def _peak_memory_bytes() -> float:
 
 
 def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
-    """The slower values (collective: every rank calls it at the same steps)."""
+    """The slower values (collective: every rank calls it at the same steps). Raises ``RanksCollapsed`` when the
+    model has TT layers and not one of their ranks is alive."""
     report = session.compression_report()
+    if report["layers"] and report["size"] == 0:
+        raise RanksCollapsed()
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),
@@ -270,6 +278,10 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 break
             if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
                 _checkpoint(session, data, step, guard, metrics, reason="schedule")
+    except RanksCollapsed as e:  # on every rank at the same step: S is global
+        log.error("step %d: stopping without a checkpoint: %s. The latest checkpoint %s is kept", step, e,
+                  latest_complete(session.checkpoint_root))
+        status = EXIT_COLLAPSED
     finally:
         metrics.close()  # the report; a stop signal meanwhile only sets the flag
     # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which

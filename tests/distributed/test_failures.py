@@ -3,6 +3,7 @@
 * non-finite losses (injected through the documented COMERA_FAULT_* hook, on rank 0 only) are
   skipped on every rank, counted and logged; K consecutive ones stop the run with exit 3 and a
   checkpoint whose weights are the last good ones;
+* a rank penalty that kills every rank (S = 0) stops the run with exit 4 and no checkpoint of the dead model;
 * SIGUSR1 to one rank (Slurm's preemption warning) checkpoints at the next step boundary on every
   rank, exits 0, and ``--resume auto`` continues from that step; one that arrives while the job is
   still starting up does the same at the first step.
@@ -75,6 +76,28 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     assert before["module"].keys() == after["module"].keys()
     for name, t in before["module"].items():
         assert torch.equal(t, after["module"][name]), name
+
+
+@pytest.mark.distributed
+def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(jobs, tmp_path, port):
+    """A rank penalty 1e5 times the default with a gate lr of 0.5 drives every gate under tau within a few
+    steps: every rank stops with exit 4 at the first step that reads S = 0, names the knobs, and no
+    checkpoint holds the dead model (one was due at every step)."""
+    out = tmp_path / "run"
+    args = run_overrides(out, "train.steps=12", "train.checkpoint_every=1", "train.log_every=1",
+                         "train.keep_checkpoints=20", "comera.controller.gamma=1000", "comera.lr.gates=0.5",
+                         "comera.controller.late_stage_step=10", "comera.pruning.every=0")
+    job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
+    rc = job.wait(timeout=240)
+    log = job.text()
+    assert rc != 0 and re.search(r"exitcode\s*:\s*4", log), f"expected ranks to exit 4:\n{log[-4000:]}"
+    stopped = re.search(r"step (\d+): stopping without a checkpoint: every rank of every TT layer is dead", log)
+    assert stopped, log[-4000:]
+    step = int(stopped.group(1))
+    assert "comera.controller.gamma" in log and "comera.lr.gates" in log
+    assert f"step {step + 1}/" not in log and step < 10  # found by the periodic read, before the late stage
+    tags = checkpoint_tags(out)
+    assert tags == [tag_for(s) for s in range(1, step)], tags  # every step before the collapse, none after
 
 
 @pytest.mark.distributed

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comera_dist.compression.config import ControllerConfig
-from comera_dist.compression.controller import RankController
+from comera_dist.compression.controller import RankController, RanksCollapsed
 
 
 def _losses():
@@ -131,7 +131,9 @@ def test_bad_state_and_bad_globals_are_clear_errors():
         ctl.load_state_dict({**ctl.state_dict(), "stage": "middle"})
     with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got nan"):
         ctl.advance(0, global_loss=float("nan"), global_size=10)
-    with pytest.raises(ValueError, match=r"global_size must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"global_size must be > 0, got -1"):
+        ctl.advance(0, global_loss=1.0, global_size=-1)
+    with pytest.raises(RanksCollapsed, match=r"every rank of every TT layer is dead .*comera\.controller\.gamma"):
         ctl.advance(0, global_loss=1.0, global_size=0)
     with pytest.raises(RuntimeError, match="late stage has not begun"):
         ctl.decide_lambda(1.0, 10)
@@ -197,7 +199,7 @@ def test_begin_step_switches_by_loss_one_step_after_the_loss_crossed():
     ctl.end_step(1.5, [])  # step 2's loss reaches the threshold ...
     assert ctl.begin_step(3, lambda: 90)  # ... so step 3 is the first late one
     assert (ctl.state.switch_step, ctl.state.size_at_switch) == (3, 90)
-    with pytest.raises(ValueError, match=r"global_size must be > 0, got 0"):
+    with pytest.raises(RanksCollapsed, match=r"model size S = 0"):
         RankController(ControllerConfig(late_stage_step=0)).begin_step(0, lambda: 0)
 
 

@@ -54,7 +54,8 @@ class DataConfig:
     sample_by: Literal["document", "paragraph", "line"] = "document"
     """For the ``text`` builder: one example per file, paragraph or line."""
     hf_kwargs: dict[str, Any] = field(default_factory=dict)
-    """For ``source: hf``: keyword arguments of ``datasets.load_dataset`` (cached by these values)."""
+    """For ``source: hf``: keyword arguments of ``datasets.load_dataset`` (cached by these values and the size and
+    modification time of every local file they name)."""
     validation_fraction: float = 0.05
     """Fraction of files (or documents) hashed into the validation split."""
     split_salt: str = "comera-dist"

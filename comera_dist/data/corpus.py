@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from pathlib import Path
@@ -23,7 +24,8 @@ def corpus_plan(cfg: DataConfig) -> tuple[str, dict[str, Any]]:
     """The cache key of ``cfg``'s corpus and what the build needs (cheap: lists and stats files only).
 
     The key covers everything the corpus content depends on: for file sources the list of
-    files with their sizes and modification times, plus the split and cap settings.
+    files with their sizes and modification times, plus the split and cap settings; for ``hf`` the
+    ``load_dataset`` arguments and the same stats of every local file they name (``_hf_local_stats``).
     """
     split = {"fraction": cfg.validation_fraction, "salt": cfg.split_salt, "max_files": cfg.max_files}
     if cfg.source == "stdlib":
@@ -53,7 +55,8 @@ def corpus_plan(cfg: DataConfig) -> tuple[str, dict[str, Any]]:
                    "stats": _stats(root, sorted(train + val))}
     else:
         plan = {"source": "hf", "filters": f"load_dataset(**{cfg.hf_kwargs}), column {cfg.text_column!r}"}
-        payload = {**split, "source": "hf", "kwargs": cfg.hf_kwargs, "text_column": cfg.text_column}
+        payload = {**split, "source": "hf", "kwargs": cfg.hf_kwargs, "text_column": cfg.text_column,
+                   "local": _hf_local_stats(cfg.hf_kwargs)}
     return cache.content_key("corpus", payload), plan
 
 
@@ -103,6 +106,36 @@ def load_entry(path: Path) -> datasets.DatasetDict | datasets.Dataset:
     if "rows" in meta and meta["rows"] != rows:
         raise cache.unreadable(path, f"row counts {rows} differ from the recorded {meta['rows']}")
     return loaded
+
+
+HF_LOCAL_KWARGS = ("path", "data_dir", "data_files")
+"""The ``load_dataset`` arguments that may name local files or directories."""
+
+
+def _hf_local_stats(kwargs: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(path, size, mtime) of every local file that ``load_dataset(**kwargs)`` may read: each string under
+    ``HF_LOCAL_KWARGS`` (also inside lists and split dicts) that names an existing file, a directory (every
+    file below it) or a glob pattern. A hub dataset's name matches nothing."""
+    found: set[Path] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, (str, os.PathLike)):
+            spec = os.path.expanduser(os.fspath(value))
+            for name in glob.glob(spec, recursive=True) if glob.has_magic(spec) else [spec]:
+                p = Path(name)
+                if p.is_file():
+                    found.add(p)
+                elif p.is_dir():
+                    found.update(q for q in p.rglob("*") if q.is_file())
+
+    for key in HF_LOCAL_KWARGS:
+        walk(kwargs.get(key))
+    return [(str(p), st.st_size, st.st_mtime_ns) for p in sorted(found) for st in [p.stat()]]
 
 
 def _stats(root: Path, rel: list[str]) -> list[tuple[str, int, int]]:

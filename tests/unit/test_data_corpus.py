@@ -83,6 +83,27 @@ def test_hf_source_takes_load_dataset_kwargs(tmp_path):
         build_corpus(missing, tmp_path / "cache")
 
 
+@pytest.mark.parametrize("spec", ["file", "glob", "dir", "split dict"])
+def test_hf_local_files_are_part_of_the_cache_key(tmp_path, spec):
+    """Editing a local file that ``hf_kwargs`` names (directly, by a glob, a directory or per split) builds
+    the corpus again; an unrelated file does not, nor does a hub name that is no local path."""
+    d = tmp_path / "data"
+    d.mkdir()
+    f = d / "rows.jsonl"
+    f.write_text(json.dumps({"text": "one"}) + "\n")
+    (tmp_path / "other.txt").write_text("unrelated")
+    files = {"file": str(f), "glob": str(d / "*.jsonl"), "split dict": {"train": [str(f)]}}.get(spec)
+    kwargs = {"path": "json", "data_files": files} if files else {"path": "json", "data_dir": str(d)}
+    cfg = _cfg(tmp_path, source="hf", hf_kwargs=kwargs)
+    key, _ = corpus_mod.corpus_plan(cfg)
+    (tmp_path / "other.txt").write_text("unrelated, edited")
+    assert corpus_mod.corpus_plan(cfg)[0] == key
+    f.write_text(json.dumps({"text": "one, edited"}) + "\n")
+    assert corpus_mod.corpus_plan(cfg)[0] != key
+    hub = _cfg(tmp_path, source="hf", hf_kwargs={"path": "some-org/some-dataset"})
+    assert corpus_mod._hf_local_stats(hub.hf_kwargs) == []
+
+
 def test_missing_and_empty_inputs_name_the_path_and_filters(tmp_path):
     with pytest.raises(DataError, match=r"data.files: no such file or directory: .*gone.txt"):
         build_corpus(_cfg(tmp_path, source="files", files=[str(tmp_path / "gone.txt")]), tmp_path / "cache")

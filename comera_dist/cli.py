@@ -19,6 +19,13 @@ EXIT_BAD_INPUT = 2
 PRETRAIN_HELP = "Pretrain a CoMERA (tensor-train, rank-adaptive) model with DeepSpeed."
 EVALUATE_HELP = "Masked-LM loss and accuracy of a checkpoint on any local corpus."
 EXPORT_HELP = "Export a checkpoint: densified HF model, compact TT form, or one consolidated file."
+PRETRAIN_EPILOG = """exit status (every rank alike; slurm/pretrain.sh requeues a stopped job only after 0):
+  0  done, or stopped by SIGUSR1/SIGTERM after a checkpoint (resume with --resume auto)
+  2  bad input: the one-line message names the config key or file
+  3  train.max_nonfinite_steps non-finite steps in a row (the last good state is checkpointed), or
+     non-finite bf16 gradients applied with deepspeed.bf16_overflow_check=false (no new checkpoint)
+  4  every rank of every TT layer died (model size S = 0; no checkpoint of it): lower
+     comera.controller.gamma or comera.lr.gates"""
 
 
 def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="comera", description="comera-dist: distributed CoMERA pretraining on DeepSpeed.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{pretrain,evaluate,export}")
 
-    _add_pretrain_args(sub.add_parser("pretrain", help=PRETRAIN_HELP, description=PRETRAIN_HELP))
+    _add_pretrain_args(sub.add_parser("pretrain", help=PRETRAIN_HELP, description=PRETRAIN_HELP,
+                                      epilog=PRETRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter))
 
     ev = sub.add_parser("evaluate", help=EVALUATE_HELP, description=EVALUATE_HELP)
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
@@ -177,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def pretrain_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``comera-pretrain`` and ``launch/train.py``: ``comera pretrain``."""
-    parser = argparse.ArgumentParser(prog="comera-pretrain", description=PRETRAIN_HELP)
+    parser = argparse.ArgumentParser(prog="comera-pretrain", description=PRETRAIN_HELP, epilog=PRETRAIN_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_pretrain_args(parser)
     args = parser.parse_args(argv)
     args.command = "pretrain"

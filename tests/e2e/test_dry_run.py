@@ -78,6 +78,11 @@ def test_help_explains_every_option(args, capsys):
         assert action.help, f"{args[0]} option {action.option_strings} has no help text"
         for opt in action.option_strings:
             assert opt in out
+    if args == ["pretrain"]:  # the exit statuses a Slurm script branches on, as the trainer returns them
+        from comera_dist.engine import trainer
+
+        for code in (trainer.EXIT_OK, cli.EXIT_BAD_INPUT, trainer.EXIT_NONFINITE, trainer.EXIT_COLLAPSED):
+            assert f"\n  {code}  " in out, out
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -105,6 +105,10 @@ def check_cross_sections(cfg: RunConfig) -> None:
         raise ConfigError("train.compile=true needs deepspeed.zero_stage 0, 1 or 2 (got 3): ZeRO-3 gathers each "
                           "module's parameters in forward hooks, which break the compiled graph at every module, "
                           "and torch.compile fails on them at the first forward")
+    if cfg.train.compile_optimizer and not (cfg.train.compile and cfg.deepspeed.zero_stage in (1, 2)):
+        raise ConfigError(f"train.compile_optimizer=true needs train.compile=true and deepspeed.zero_stage 1 or 2 "
+                          f"(got train.compile={str(cfg.train.compile).lower()}, deepspeed.zero_stage="
+                          f"{cfg.deepspeed.zero_stage}): it compiles DeepSpeed's ZeRO 1-2 optimizer step")
     for key in ("first_scrape_timeout_s", "final_scrape_timeout_s"):
         wait = getattr(cfg.metrics, key)
         if cfg.metrics.prometheus and wait >= cfg.train.process_group_timeout_s:

@@ -121,7 +121,8 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
 
 HEADLINE_FILES = ("kernels", "six-encoder", "six-encoder-ws4", "six-encoder-compiled", "six-encoder-recompute",
                   "six-encoder-align1", "six-encoder-nolt", "six-encoder-ffn-off",
-                  "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs")
+                  "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs",
+                  "trainer-rate-graphs-opt")
 """The benchmark JSONs whose metrics the summary prints (what the GPU figures in docs/ come from)."""
 
 

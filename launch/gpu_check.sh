@@ -24,14 +24,15 @@
 # CoMERA step of the same model and batch), eager, then with every parameter its own tensor
 # (-unpacked: deepspeed.pack_vectors=false), in bf16 without DeepSpeed's per-gradient overflow check
 # (-nocheck: deepspeed.bf16_overflow_check=false), also without ZeRO's contiguous gradient buffer
-# (-lean: deepspeed.contiguous_gradients=false), and compiled with train.compile_mode=reduce-overhead
-# (-graphs: CUDA graphs). Each step is bounded by `timeout` and by what is left of the budget; a failed
-# step does not stop the others. Exit 0 only if every step passed.
+# (-lean: deepspeed.contiguous_gradients=false), compiled with train.compile_mode=reduce-overhead
+# (-graphs: CUDA graphs), and so with DeepSpeed's optimizer step compiled too (-graphs-opt: train.compile_optimizer).
+# Each step is bounded by `timeout` and by what is left of the budget; a failed step does not stop the others.
+# Exit 0 only if every step passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -ge 1 ] || { sed -n '3,29p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '3,30p' "$0" >&2; exit 2; }
 OUT=$1; shift
 MODE=gpu
 if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
@@ -122,7 +123,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -227,4 +228,9 @@ run_step trainer-rate-lean "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deeps
 run_step trainer-rate-graphs $((2 * T_BENCH)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND TORCH_LOGS=recompiles,perf_hints \
   "$PYTHON" "${TRAINER_RATE[@]}" --set train.compile=true --set train.compile_mode=reduce-overhead \
   --json "$OUT/trainer-rate-graphs.json"
+# and with DeepSpeed's ZeRO-1 optimizer step compiled (train.compile_optimizer): on the CPU its ~170 eager host ops
+# per step are most of what the compiled trainer runs outside its graphs (docs/bench/raw/trainer-host-ops-by-origin-cpu.md)
+run_step trainer-rate-graphs-opt $((2 * T_BENCH)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND TORCH_LOGS=recompiles \
+  "$PYTHON" "${TRAINER_RATE[@]}" --set train.compile=true --set train.compile_mode=reduce-overhead \
+  --set train.compile_optimizer=true --json "$OUT/trainer-rate-graphs-opt.json"
 "$PYTHON" launch/gpu_check.py summary "$OUT"

@@ -142,7 +142,9 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     a stage switch changes only the objective outside the module (dynamo guards cover the rest).
     ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
     traces the same graphs without inductor's minutes-long C++ code generation on CPU).
-    ``train.compile_mode`` goes to torch.compile as its ``mode``.
+    ``train.compile_mode`` goes to torch.compile as its ``mode``. ``train.compile_optimizer`` also compiles
+    the ZeRO optimizer's ``step`` (default mode: its host reads split it into several graphs, which CUDA
+    graphs could not replay).
 
     Dynamo's caches are reset first (``torch.compiler.reset``; the model is the process's only compiled
     code). A rebuilt engine's module is a new object, and the old module's cache entries, dead as they
@@ -155,6 +157,10 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
         session.engine.compile(backend=backend, compile_kwargs=compile_options(cfg))
         log.info("torch.compile (%s, mode %s): engine compiled = %s", backend, cfg.train.compile_mode,
                  session.engine.is_compiled)
+        if cfg.train.compile_optimizer:
+            optimizer = session.engine.optimizer  # DeepSpeedZeroOptimizer: the engine calls its step()
+            optimizer.step = torch.compile(optimizer.step, backend=backend, dynamic=False)
+            log.info("torch.compile (%s): optimizer step of %s compiled", backend, type(optimizer).__name__)
 
 
 def compile_options(cfg: RunConfig) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "bench-six-encoder-recompute", "bench-six-encoder-align1",
                                                      "bench-six-encoder-nolt", "bench-six-encoder-ffn-off",
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
-                                                     "trainer-rate-lean", "trainer-rate-graphs"]
+                                                     "trainer-rate-lean", "trainer-rate-graphs",
+                                                     "trainer-rate-graphs-opt"]
     for stage in (1, 2, 3):
         log = (out / "logs" / f"pretrain-z{stage}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
@@ -88,6 +89,11 @@ def test_gpu_check_cpu_smoke(tmp_path):
     graphs = (out / "logs" / "trainer-rate-graphs.log").read_text()
     assert "torch.compile (aot_eager, mode reduce-overhead): engine compiled = True" in graphs  # trainer and session
     assert summary["metrics"]["trainer-rate-graphs"]["trainer_tokens_per_s"] > 0
+    opt = (out / "logs" / "trainer-rate-graphs-opt.log").read_text()
+    assert "torch.compile (aot_eager): optimizer step of DeepSpeedZeroOptimizer compiled" in opt
+    assert summary["metrics"]["trainer-rate-graphs-opt"]["trainer_tokens_per_s"] > 0
+    opt_counted = json.loads((out / "trainer-rate-graphs-opt.json").read_text())["config"]["compile_counters"]
+    assert opt_counted["stats"]["unique_graphs"] > 3, opt_counted  # the model's 3 and the optimizer step's
     counted = json.loads((out / "trainer-rate-graphs.json").read_text())["config"]["compile_counters"]
     # one graph per compiled forward: the trainer's training and evaluation calls, the session's (the
     # packing's forward hooks made 7: each hook traced as a frame of its own)

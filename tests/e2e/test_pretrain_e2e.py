@@ -246,9 +246,13 @@ step 3 really slices ranks and rebuilds the engine."""
 
 def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_path):
     """A prune changes the shapes: the rebuilt engine is compiled again (a second trace, the
-    re-capture point of CUDA graphs) and the compiled run still trains exactly as the eager one."""
+    re-capture point of CUDA graphs) and the compiled run still trains exactly as the eager one; so does a
+    run whose DeepSpeed optimizer step is compiled too (``train.compile_optimizer``), re-compiled with the
+    rebuilt engine's optimizer."""
     runs = {}
-    for name, extra in (("eager", ()), ("compiled", ("--set", "train.compile=true"))):
+    compiled = ("--set", "train.compile=true")
+    for name, extra in (("eager", ()), ("compiled", compiled),
+                        ("optimizer", (*compiled, "--set", "train.compile_optimizer=true"))):
         out = tmp_path / name
         p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
                    *PRUNING_RUN, *extra, env=_env(COMERA_COMPILE_BACKEND="aot_eager"), timeout=600)
@@ -258,14 +262,17 @@ def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_pa
     assert "step 3: physical prune, engine rebuilt" in log
     assert log.count("torch.compile (aot_eager, mode default): engine compiled = True") >= 2  # start, after the prune
     assert "physical prune" in runs["eager"][1] and "torch.compile" not in runs["eager"][1]
+    assert "optimizer step" not in log
+    assert runs["optimizer"][1].count("torch.compile (aot_eager): optimizer step of DeepSpeedZeroOptimizer compiled") >= 2
     tag = "step00000006"
     eager = torch.load(runs["eager"][0] / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    compiled = torch.load(runs["compiled"][0] / "checkpoints" / tag / "mp_rank_00_model_states.pt",
-                          weights_only=False)["module"]
-    assert compiled.keys() == eager.keys()
-    for name, t in eager.items():
-        assert compiled[name].shape == t.shape, name  # the same ranks were pruned
-        torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    for variant in ("compiled", "optimizer"):
+        compiled = torch.load(runs[variant][0] / "checkpoints" / tag / "mp_rank_00_model_states.pt",
+                              weights_only=False)["module"]
+        assert compiled.keys() == eager.keys()
+        for name, t in eager.items():
+            assert compiled[name].shape == t.shape, (variant, name)  # the same ranks were pruned
+            torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=1e-6, msg=f"{variant} {name}")
 
 
 def test_compiled_run_stays_compiled_through_many_prunes(tmp_path):

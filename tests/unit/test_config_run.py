@@ -73,6 +73,17 @@ def test_compile_is_refused_at_zero3(tmp_path):
     assert load_run_config(_write(tmp_path), ["train.compile=true", "deepspeed.zero_stage=2"]).train.compile
 
 
+@pytest.mark.parametrize(("sets", "got"), [(["deepspeed.zero_stage=1"], "train.compile=false, deepspeed.zero_stage=1"),
+                                           (["train.compile=true", "deepspeed.zero_stage=0"],
+                                            "train.compile=true, deepspeed.zero_stage=0")])
+def test_compile_optimizer_needs_compile_and_a_zero_optimizer(tmp_path, sets, got):
+    with pytest.raises(ConfigError, match=rf"train\.compile_optimizer=true needs train\.compile=true and "
+                                          rf"deepspeed\.zero_stage 1 or 2 \(got {got}\)"):
+        load_run_config(_write(tmp_path), ["train.compile_optimizer=true", *sets])
+    ok = load_run_config(_write(tmp_path), ["train.compile_optimizer=true", "train.compile=true", "deepspeed.zero_stage=2"])
+    assert ok.train.compile_optimizer
+
+
 @pytest.mark.parametrize("key", ["first_scrape_timeout_s", "final_scrape_timeout_s"])
 def test_a_scrape_wait_must_end_before_the_process_group_timeout(tmp_path, key):
     with pytest.raises(ConfigError, match=rf"metrics\.{key}=60\.0 must be below train\.process_group_timeout_s=60\.0"):

@@ -20,7 +20,8 @@ def _weights(out, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 def test_compiled_zero1_optimizer_step_matches_the_eager_one_on_two_ranks(jobs, tmp_path, port):
-    """bf16 at ZeRO 1 (the trainer's GPU configuration), the model compiled either way (aot_eager): after 4
+    """bf16 at ZeRO 1 (the trainer's GPU configuration), the model compiled either way (aot_eager), a NaN loss
+    on rank 0 at step 2 (ZeRO's overflow check skips the step: the compiled step's other branch): after 4
     steps, the late stage included, every weight of the compiled-optimizer run equals the eager-optimizer run's
     bit for bit, and both ranks say they compiled the step."""
     runs = {}
@@ -29,9 +30,11 @@ def test_compiled_zero1_optimizer_step_matches_the_eager_one_on_two_ranks(jobs, 
         args = run_overrides(out, "train.steps=4", "train.checkpoint_every=4", "train.eval_every=0",
                              "deepspeed.precision=bf16", "deepspeed.zero_stage=1", "comera.pruning.every=0",
                              "comera.controller.late_stage_step=2", "train.compile=true", *extra)
-        job = jobs("torchrun", args, job_env(port if i == 0 else free_port(), COMERA_COMPILE_BACKEND="aot_eager"), tmp_path / f"{name}.log")
+        job = jobs("torchrun", args, job_env(port if i == 0 else free_port(), COMERA_COMPILE_BACKEND="aot_eager",
+                                              COMERA_FAULT_NONFINITE_STEPS="2", COMERA_FAULT_RANKS="0"), tmp_path / f"{name}.log")
         assert job.wait(timeout=300) == 0, job.text()[-4000:]
         runs[name] = (out, job.text())
+        assert "step 2: non-finite loss or gradients, step skipped (1 in a row, 1 in total)" in runs[name][1]
     said = "torch.compile (aot_eager): optimizer step of DeepSpeedZeroOptimizer compiled"
     assert runs["compiled"][1].count(said) == 2 and said not in runs["eager"][1]  # once per rank
     eager, compiled = _weights(runs["eager"][0], 4), _weights(runs["compiled"][0], 4)

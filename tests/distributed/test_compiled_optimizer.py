@@ -30,8 +30,9 @@ def test_compiled_zero1_optimizer_step_matches_the_eager_one_on_two_ranks(jobs, 
         args = run_overrides(out, "train.steps=4", "train.checkpoint_every=4", "train.eval_every=0",
                              "deepspeed.precision=bf16", "deepspeed.zero_stage=1", "comera.pruning.every=0",
                              "comera.controller.late_stage_step=2", "train.compile=true", *extra)
-        job = jobs("torchrun", args, job_env(port if i == 0 else free_port(), COMERA_COMPILE_BACKEND="aot_eager",
-                                              COMERA_FAULT_NONFINITE_STEPS="2", COMERA_FAULT_RANKS="0"), tmp_path / f"{name}.log")
+        env = job_env(port if i == 0 else free_port(), COMERA_COMPILE_BACKEND="aot_eager",
+                      COMERA_FAULT_NONFINITE_STEPS="2", COMERA_FAULT_RANKS="0")
+        job = jobs("torchrun", args, env, tmp_path / f"{name}.log")
         assert job.wait(timeout=300) == 0, job.text()[-4000:]
         runs[name] = (out, job.text())
         assert "step 2: non-finite loss or gradients, step skipped (1 in a row, 1 in total)" in runs[name][1]

@@ -159,6 +159,10 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
                  session.engine.is_compiled)
         if cfg.train.compile_optimizer:
             optimizer = session.engine.optimizer  # DeepSpeedZeroOptimizer: the engine calls its step()
+            # torch's fused AdamW is never traced (torch.compiler.disable'd inside), but its wrappers are, and they
+            # guard on each group's learning rate: under a warmup every step re-traced them until Dynamo's
+            # recompile limit. Kept out of the trace whole, the rest compiles once per parameter group.
+            optimizer.optimizer.step = torch.compiler.disable(optimizer.optimizer.step)
             optimizer.step = torch.compile(optimizer.step, backend=backend, dynamic=False)
             log.info("torch.compile (%s): optimizer step of %s compiled", backend, type(optimizer).__name__)
 

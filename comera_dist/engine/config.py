@@ -55,7 +55,7 @@ class TrainConfig:
     compile_optimizer: bool = False
     """Also ``torch.compile`` DeepSpeed's ZeRO 1-2 optimizer step (gradient norms, inf/NaN checks, unscale and
     clip, AdamW, the copy back), which runs eagerly outside the compiled model: about 170 host ops per step
-    on the six-encoder MLM in bf16 become about 13 compiled regions, split at its host reads. The same
+    on the six-encoder MLM in bf16 become 9 compiled graphs, split at its host reads. The same
     updates (bit-identical with ``aot_eager``). Needs ``compile``; re-compiled after a prune. Not yet timed
     on a GPU, hence off by default."""
 

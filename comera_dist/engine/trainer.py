@@ -10,7 +10,7 @@ The loop only calls components. Its contract with the outside world:
   bf16 with ``deepspeed.bf16_overflow_check=false``);
 * exit ``EXIT_COLLAPSED`` (4), without a checkpoint, once every rank of every TT layer is dead
   (``compression.controller.RanksCollapsed``: S = 0, which no gradient can undo), found where S is read:
-  at every ``train.log_every`` step, at a prune, and at the switch to the late stage;
+  at every ``train.log_every`` step, at a prune, before every checkpoint, and at the switch to the late stage;
 * ``resume="auto"`` continues from the latest complete checkpoint under ``train.output_dir``.
 """
 
@@ -75,6 +75,7 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
 
     None when nothing was written because the state is non-finite (the session logs which tensors).
     """
+    _check_alive(session.compression_report())  # a dead model is not worth a checkpoint, nor a requeue
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
               "reason": reason}
     try:
@@ -124,12 +125,17 @@ def _peak_memory_bytes() -> float:
     return float(t.item())
 
 
+def _check_alive(report: dict[str, Any]) -> None:
+    """Raise ``RanksCollapsed`` when the model has TT layers and not one of their ranks is alive (S = 0)."""
+    if report["layers"] and report["size"] == 0:
+        raise RanksCollapsed()
+
+
 def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
     """The slower values (collective: every rank calls it at the same steps). Raises ``RanksCollapsed`` when the
     model has TT layers and not one of their ranks is alive."""
     report = session.compression_report()
-    if report["layers"] and report["size"] == 0:
-        raise RanksCollapsed()
+    _check_alive(report)
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),

@@ -79,12 +79,14 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
 
 
 @pytest.mark.distributed
-def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(jobs, tmp_path, port):
+@pytest.mark.parametrize("log_every", [1, 100])
+def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(jobs, tmp_path, port, log_every):
     """A rank penalty 1e5 times the default with a gate lr of 0.5 drives every gate under tau within a few
-    steps: every rank stops with exit 4 at the first step that reads S = 0, names the knobs, and no
-    checkpoint holds the dead model (one was due at every step)."""
+    steps: every rank stops with exit 4 at the first step that reads S = 0 (a logging step, or with logs
+    rarer than checkpoints the checkpoint's own check), names the knobs, and no checkpoint holds the dead
+    model (one was due at every step)."""
     out = tmp_path / "run"
-    args = run_overrides(out, "train.steps=12", "train.checkpoint_every=1", "train.log_every=1",
+    args = run_overrides(out, "train.steps=12", "train.checkpoint_every=1", f"train.log_every={log_every}",
                          "train.keep_checkpoints=20", "comera.controller.gamma=1000", "comera.lr.gates=0.5",
                          "comera.controller.late_stage_step=10", "comera.pruning.every=0")
     job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")

@@ -18,12 +18,12 @@ def bf16_error_vs_torch(fast: Callable[..., Tensor], ref: Callable[..., Tensor],
     torch path gets exactly right). The fp64 reference sees the same bf16-rounded inputs.
     Returns ``{name: (fast error, torch error)}``; asserts the bound.
     """
-    def leaves(dtype) -> list:
-        return [a.detach().to(dtype).clone().requires_grad_(True) if isinstance(a, Tensor) and a.is_floating_point()
-                else a for a in args]
+    floating = [isinstance(a, Tensor) and a.is_floating_point() for a in args]
+    rounded = [a.to(torch.bfloat16) if f else a for a, f in zip(args, floating)]  # what all three see
 
-    bf16 = [a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
-    args = bf16
+    def leaves(dtype) -> list:
+        return [a.detach().to(dtype).clone().requires_grad_(True) if f else a for a, f in zip(rounded, floating)]
+
     fast_args, torch_args, exact_args = leaves(torch.bfloat16), leaves(torch.bfloat16), leaves(torch.float64)
     outs = [fast(*fast_args), ref(*torch_args), ref(*exact_args)]
     g = torch.Generator().manual_seed(grad_seed)

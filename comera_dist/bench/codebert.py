@@ -14,6 +14,11 @@ follows ``pruning`` (``make_plan`` + ``apply_plan`` with the AdamW moments). The
 step schedule (late stage, pruning) is scaled by ``--steps / train.steps``. Both contenders
 use AdamW with linear warm-up (5% of steps) and cosine decay to 10%; dense uses ``lr.dense``.
 
+``--dense-lr`` (repeatable) trains the dense contender at each given rate instead: the config's
+``lr.dense`` is set for CoMERA's small dense leftovers, not for a dense encoder. The dense run with the
+lowest final validation loss is the one compared; choosing on the split the ratio is measured on
+favours dense, so the ratio errs against CoMERA. The other dense runs stay in the rows and the plot.
+
 The output head follows ``model.tie_word_embeddings`` (default true) in both contenders: the dense
 model ties its decoder to the dense table, the CoMERA model to the TTM table (``TiedTTHead``), so at
 a large vocabulary the whole model is compressed. ``--heldout PATH`` (repeatable) also evaluates both
@@ -26,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +99,17 @@ def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int
 
 def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared: PreparedData, *, steps: int,
               batch_size: int, eval_every: int, eval_batches_n: int, scale: float, seed: int,
-              heldout: Any = None, heldout_batches: int = 0) -> dict[str, Any]:
-    """Train ``dense`` or ``comera`` for ``steps`` steps; returns curves, timings and the final report."""
+              heldout: Any = None, heldout_batches: int = 0, dense_lr: float | None = None) -> dict[str, Any]:
+    """Train ``dense`` or ``comera`` for ``steps`` steps; returns curves, timings and the final report.
+
+    ``dense_lr``: the dense contender's learning rate (default: the config's ``lr.dense``).
+    """
     torch.manual_seed(seed)
     tensorized = name == "comera"
     model = build_model(model_cfg, comera.tensorize if tensorized else None)
     lr = comera.lr
-    groups = param_groups(model, lr) if tensorized else [{"params": list(model.parameters()), "lr": lr.dense}]
+    dense_lr = lr.dense if dense_lr is None else dense_lr
+    groups = param_groups(model, lr) if tensorized else [{"params": list(model.parameters()), "lr": dense_lr}]
     opt = torch.optim.AdamW(groups, weight_decay=lr.weight_decay)
     warmup = max(1, steps // 20)
 
@@ -149,7 +159,18 @@ def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared:
             "final_train_loss": sum(train_losses[-10:]) / len(train_losses[-10:]),
             "params": sum(p.numel() for p in model.parameters()), "report": report, "heldout_loss": heldout_loss,
             "head": type(model.head.decoder).__name__ if hasattr(model, "head") else None,
-            "stage": controller.stage if tensorized else None, "profile": profile}
+            "stage": controller.stage if tensorized else None, "profile": profile,
+            "lr": None if tensorized else dense_lr}
+
+
+def dense_sweep(lrs: Sequence[float], train: Callable[[float], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Dense runs at each of ``lrs`` (``train(lr)``), keyed by contender name.
+
+    The run with the lowest final validation loss is ``dense``; the others are ``dense lr=<lr>``.
+    """
+    runs = [train(lr) for lr in lrs]
+    best = min(range(len(runs)), key=lambda i: runs[i]["final_val_loss"])
+    return {("dense" if i == best else f"dense lr={r['lr']:g}"): r for i, r in enumerate(runs)}
 
 
 def main(argv: list[str]) -> int:
@@ -165,6 +186,9 @@ def main(argv: list[str]) -> int:
                    help="files/dirs of code outside the training corpus to evaluate both final models on (repeatable)")
     p.add_argument("--heldout-batches", type=int, default=32, help="held-out batches per model")
     p.add_argument("--target-ratio", type=float, default=4.23, help="whole-model compression target (recorded)")
+    p.add_argument("--dense-lr", type=float, action="append", default=[], metavar="LR",
+                   help="the dense contender's learning rate (default: the config's comera.lr.dense); repeat it to "
+                        "sweep: the dense run with the lowest final validation loss is the one compared")
     args = p.parse_args(argv)
     model_cfg, comera, data_cfg, train = load_sections(args.config, smoke=args.smoke, overrides=args.overrides)
     steps = int(train.get("steps", 200)) if args.steps is None else args.steps
@@ -174,6 +198,8 @@ def main(argv: list[str]) -> int:
     if min(steps, batch_size, eval_every, n_eval) < 1:
         p.error(f"--steps, --batch-size, --eval-every, --eval-batches must be >= 1, got "
                 f"{steps}, {batch_size}, {eval_every}, {n_eval}")
+    if any(not (math.isfinite(lr) and lr > 0) for lr in args.dense_lr) or len(set(args.dense_lr)) < len(args.dense_lr):
+        p.error(f"--dense-lr must be distinct positive numbers, got {args.dense_lr}")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -184,11 +210,13 @@ def main(argv: list[str]) -> int:
     if args.heldout:
         heldout = evaluation_corpus(args.heldout, prepared.tokenizer, seq_len=data_cfg.seq_len,
                                     objective=data_cfg.objective, show_progress=False)
-    runs = {name: train_one(name, model_cfg, comera, prepared, steps=steps, batch_size=batch_size,
-                            eval_every=eval_every, eval_batches_n=n_eval, scale=scale, seed=0, heldout=heldout,
-                            heldout_batches=args.heldout_batches)
-            for name in ("dense", "comera")}
-    rows = [{"contender": n, "steps": steps, "tokens": r["tokens"], "train_s": r["train_s"],
+    def run(name: str, dense_lr: float | None = None) -> dict[str, Any]:
+        return train_one(name, model_cfg, comera, prepared, steps=steps, batch_size=batch_size, eval_every=eval_every,
+                         eval_batches_n=n_eval, scale=scale, seed=0, heldout=heldout,
+                         heldout_batches=args.heldout_batches, dense_lr=dense_lr)
+
+    runs = dense_sweep(args.dense_lr or [comera.lr.dense], lambda lr: run("dense", lr)) | {"comera": run("comera")}
+    rows = [{"contender": n, "lr": r["lr"], "steps": steps, "tokens": r["tokens"], "train_s": r["train_s"],
              "tokens_per_s": r["tokens"] / r["train_s"], "final_val_loss": r["final_val_loss"],
              "final_train_loss": r["final_train_loss"], "heldout_loss": r["heldout_loss"], "params": r["params"],
              "head": r["head"]} for n, r in runs.items()]
@@ -201,12 +229,13 @@ def main(argv: list[str]) -> int:
     }
     if heldout is not None:
         metrics["heldout_loss_ratio_comera_over_dense"] = runs["comera"]["heldout_loss"] / runs["dense"]["heldout_loss"]
-    config = {"command": " ".join(["python -m comera_dist.bench codebert", *argv]), "config": str(args.config),
+    config = {"bench_command": "python -m comera_dist.bench codebert " + shlex.join(argv), "config": str(args.config),
               "overrides": args.overrides, "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
               "tie_word_embeddings": model_cfg.tie_word_embeddings,
               "heldout": [str(h) for h in args.heldout], "heldout_blocks": None if heldout is None else len(heldout),
               "heldout_batches": args.heldout_batches, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
-              "smoke": args.smoke, "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
+              "smoke": args.smoke, "dense_lrs": args.dense_lr or [comera.lr.dense], "dense_lr": runs["dense"]["lr"],
+              "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
               "loop": "plain single-process loop (same model, controller, pruning as the engine)",
               "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},
               "curves": {n: r["curve"] for n, r in runs.items()},

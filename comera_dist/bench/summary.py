@@ -51,6 +51,8 @@ def check(rule: str, target: Any, value: float) -> tuple[bool, str]:
 
 
 def _fmt(v: Any) -> str:
+    if v is None:  # a row without this value (e.g. bench codebert's CoMERA row has no single lr)
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)):
@@ -137,7 +139,7 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
     load = (cfg.get("load_avg_start"), cfg.get("load_avg_end"))
     run = {k: v for k, v in cfg.items() if k in ("steps", "batch_size", "batch_sizes", "seq_len", "threads",
                                                   "smoke", "keep", "loop", "galore", "config", "overrides", "recompute",
-                                                  "schedule_scale")}
+                                                  "schedule_scale", "dense_lrs", "dense_lr")}
     lines += [f"Run settings: `{json.dumps(run)}`.", ""]
     if all(load):
         lines += [f"1-min load average at start / end: {load[0][0]:.1f} / {load[1][0]:.1f} (2 cores).", ""]

@@ -18,7 +18,8 @@ from comera_dist.bench.__main__ import available
 MODULES = {"six-encoder": six_encoder, "galore": galore, "codebert": codebert, "prune-payoff": prune_payoff,
            "memory": memory}
 ARGS = {"six-encoder": ["--batch-sizes", "1", "4"], "galore": [], "codebert": ["--steps", "4", "--eval-every", "2",
-                                                                              "--eval-batches", "2"],
+                                                                              "--eval-batches", "2",
+                                                                              "--dense-lr", "1e-3", "--dense-lr", "0.2"],
         "prune-payoff": ["--batch-size", "4"], "memory": ["--batch-size", "4"]}
 
 
@@ -120,6 +121,27 @@ def test_codebert(results):
     rows = {row["contender"]: row for row in r["rows"]}
     assert rows["dense"]["tokens"] == rows["comera"]["tokens"]  # equal token budget
     assert r["metrics"]["compression_ratio"] > 1
+
+
+def test_codebert_compares_the_best_of_its_dense_learning_rates(results):
+    r = results["codebert"]
+    rows = {row["contender"]: row for row in r["rows"]}
+    dense = {row["lr"]: row for name, row in rows.items() if name.startswith("dense")}
+    assert set(dense) == {1e-3, 0.2} and set(r["config"]["curves"]) == set(rows)
+    chosen = min(dense.values(), key=lambda row: row["final_val_loss"])
+    assert rows["dense"] is chosen and f"dense lr={max(dense, key=lambda lr: dense[lr]['final_val_loss']):g}" in rows
+    assert dense[0.2]["final_val_loss"] != dense[1e-3]["final_val_loss"]  # the rate reached the optimizer
+    assert r["metrics"]["val_loss_ratio_comera_over_dense"] == pytest.approx(
+        rows["comera"]["final_val_loss"] / chosen["final_val_loss"])
+    assert r["config"]["dense_lr"] == chosen["lr"]
+    assert "--dense-lr 1e-3 --dense-lr 0.2" in r["config"]["bench_command"]
+
+
+@pytest.mark.parametrize("lrs", [["0"], ["-1e-3"], ["nan"], ["1e-3", "1e-3"]])
+def test_bad_dense_lr_is_a_usage_error(lrs, capsys):
+    with pytest.raises(SystemExit) as exc:
+        codebert.main(["--smoke", *[a for lr in lrs for a in ("--dense-lr", lr)]])
+    assert exc.value.code == 2 and "--dense-lr" in capsys.readouterr().err
 
 
 def test_summary_renders_targets_and_plots(results):

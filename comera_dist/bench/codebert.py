@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, progress, write_result
 from comera_dist.bench.six_encoder import top_ops
 from comera_dist.compression.accounting import compression_report, model_size
 from comera_dist.compression.config import ComeraConfig
@@ -129,7 +129,8 @@ def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared:
     curve: list[dict[str, float]] = [{"step": 0, "val_loss": validation_loss(model, prepared, batch_size=batch_size,
                                                                            max_batches=eval_batches_n)}]
     train_s, tokens, train_losses = 0.0, 0, []
-    for step in range(1, steps + 1):
+    label = name if tensorized else f"dense lr={dense_lr:g}"
+    for step in progress(range(1, steps + 1), desc=f"codebert {label}", unit="step"):
         batch = next(loader)
         t0 = time.perf_counter()
         task = model(**batch)["loss"]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_dist.bench.common import base_parser, workload_options, write_result
+from comera_dist.bench.common import base_parser, progress, workload_options, write_result
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.compression.accounting import model_size
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
@@ -250,15 +250,16 @@ def main(argv: list[str]) -> int:
     load_start = os.getloadavg()
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
     rows: list[dict[str, Any]] = []
-    for b in sizes:
-        for name, c in contenders.items():
-            batch = random_batch(c.model, b, smoke=args.smoke)
-            mem = measure_step(c.model, c.optimizer, lambda c=c, batch=batch: c.loss(batch))  # also the warm-up
-            t = time_steps(c.train_step, batch, steps)
-            rows.append({"contender": name, "batch": b, "step_s": t["median_s"], "step_min_s": t["min_s"],
-                         "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
-                         "peak_tensor_MiB": mem.total_bytes / 2**20, "activations_MiB": mem.activations_bytes / 2**20,
-                         "params": sum(q.numel() for q in c.model.parameters())})
+    cases = [(b, name) for b in sizes for name in contenders]
+    for b, name in progress(cases, desc="six-encoder", unit="case"):
+        c = contenders[name]
+        batch = random_batch(c.model, b, smoke=args.smoke)
+        mem = measure_step(c.model, c.optimizer, lambda c=c, batch=batch: c.loss(batch))  # also the warm-up
+        t = time_steps(c.train_step, batch, steps)
+        rows.append({"contender": name, "batch": b, "step_s": t["median_s"], "step_min_s": t["min_s"],
+                     "tokens_per_s": b * batch["input_ids"].shape[1] / t["median_s"],
+                     "peak_tensor_MiB": mem.total_bytes / 2**20, "activations_MiB": mem.activations_bytes / 2**20,
+                     "params": sum(q.numel() for q in c.model.parameters())})
     b_top = max(sizes)
     profiles = {name: top_ops(lambda c=c: c.step(random_batch(c.model, b_top, smoke=args.smoke)))
                 for name, c in contenders.items()}

@@ -187,6 +187,12 @@ def _format(values: dict[str, float]) -> str:
     return " ".join(f"{k} {values[k]:.4g}" for k in keys if k in values)
 
 
+def _eta(elapsed_s: float, done: int, left: int) -> str:
+    """``H:MM:SS`` left at the mean wall time per step so far (evaluations and checkpoints included)."""
+    seconds = round(elapsed_s / max(done, 1) * left)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def _setup_logging(info: DistInfo) -> None:
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(asctime)s [rank {info.rank}] %(levelname)s %(name)s: %(message)s")
@@ -237,6 +243,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 log.info("step 0/%d %s", cfg.train.steps, _format(initial))
         metrics.log(initial, step)
         metrics.wait_for_first_scrape()  # rank 0; the others wait at the first step's collective
+        loop_start = time.perf_counter()
         for step in range(start + 1, cfg.train.steps + 1):
             faults.arm(step)
             t0 = time.perf_counter()
@@ -274,7 +281,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 values["val_loss"], values["val_accuracy"] = session.evaluate(data.validation_batches())
             metrics.log(values, step)
             if info.rank == 0 and (step % cfg.train.log_every == 0 or "val_loss" in values):
-                log.info("step %d/%d %s", step, cfg.train.steps, _format(values))
+                log.info("step %d/%d %s eta %s", step, cfg.train.steps, _format(values),
+                         _eta(time.perf_counter() - loop_start, step - start, cfg.train.steps - step))
             if guard.tripped:
                 # Skipped steps never touch the weights, so the state is the last good step's unless it was
                 # already poisoned (e.g. loaded from a corrupt file): session.save refuses non-finite

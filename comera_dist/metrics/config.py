@@ -36,7 +36,8 @@ class MetricsConfig:
     below ``train.process_group_timeout_s`` (checked with the run config)."""
 
     progress: bool = True
-    """Show a tqdm progress bar (loss, tokens/s, compression ratio, stage) on rank 0."""
+    """Show a tqdm progress bar (loss, tokens/s, compression ratio, stage) on rank 0, when its stderr is a
+    terminal (in a log file the trainer's step lines, with their ETA, are the progress record)."""
 
     log_every: int = 10
     """Refresh the progress-bar postfix every this many steps (Prometheus always gets every value)."""

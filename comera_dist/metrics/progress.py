@@ -3,6 +3,10 @@
 While the bar is open, console log records (the root logger's and DeepSpeed's stderr/stdout
 handlers) go through ``tqdm.write`` (``tqdm.contrib.logging.logging_redirect_tqdm``): the bar
 is cleared, the line printed, the bar redrawn below it, so no log line is glued to the bar.
+
+The bar is drawn only when stderr is a terminal. In a log file (a Slurm job's output, ``> run.log``)
+each redraw and each clearing is a ``\r``-joined fragment between the log lines; there the trainer's
+own step lines, which carry an ETA, are the progress record.
 """
 
 from __future__ import annotations
@@ -25,14 +29,16 @@ POSTFIX = {"train_loss": "loss", "val_loss": "val", "tokens_per_second": "tok/s"
 class ProgressBar:
     """A step bar whose postfix shows the latest values, refreshed every ``log_every`` steps."""
 
-    def __init__(self, *, total_steps: int, log_every: int) -> None:
-        # in a batch log (Slurm) a bar redrawn 10x per second floods the file: redraw rarely
-        interactive = sys.stderr.isatty()
-        self._bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True,
-                         mininterval=0.1 if interactive else 10.0)
-        self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger(n) for n in REDIRECTED_LOGGERS],
-                                               tqdm_class=tqdm)
-        self._redirect.__enter__()
+    def __init__(self, *, total_steps: int, log_every: int, interactive: bool | None = None) -> None:
+        """``interactive``: draw the bar (default: whether stderr is a terminal)."""
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self._bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True, mininterval=0.1,
+                         disable=not self.interactive)
+        self._redirect = None
+        if self.interactive:
+            self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger(n) for n in REDIRECTED_LOGGERS],
+                                                   tqdm_class=tqdm)
+            self._redirect.__enter__()
         self._log_every = log_every
         self._latest: dict[str, float] = {}
         self._last_postfix_step: int | None = None

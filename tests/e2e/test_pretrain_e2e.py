@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,8 +50,10 @@ def comera(*args: str, env: dict[str, str] | None = None, timeout: float = 300) 
 def run_dir(tmp_path_factory) -> Path:
     """One tiny-cpu pretraining run (6 steps, checkpoints at 3 and 6, a prune at 3 and 6)."""
     out = tmp_path_factory.mktemp("e2e") / "run"
-    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}")
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
+               "--set", "metrics.progress=true")  # tiny-cpu turns the bar off; here it must stay out of a log
     assert p.returncode == 0, p.stderr[-4000:]
+    (out.parent / "pretrain.log").write_text(p.stderr)  # what a Slurm job's output file gets
     return out
 
 
@@ -89,6 +92,15 @@ def test_pretrain_writes_checkpoints_config_and_report(run_dir):
         assert png.name in report
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_a_log_file_gets_step_lines_with_an_eta_and_no_bar(run_dir):
+    """stderr is a pipe here, as a Slurm job's output file: the bar's redraws ('\r') stay out of it, and
+    the step lines say how long is left."""
+    log = (run_dir.parent / "pretrain.log").read_text()
+    assert "\r" not in log and "step/s" not in log, log[:2000]
+    lines = re.findall(r"INFO comera_dist\.engine\.trainer: step (\d+)/6 .* eta (\d+:\d\d:\d\d)$", log, re.MULTILINE)
+    assert lines and lines[-1] == ("6", "0:00:00"), log[-2000:]
 
 
 def in_process(capsys, *args: str) -> tuple[int, str, str]:

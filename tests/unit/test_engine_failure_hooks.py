@@ -13,7 +13,7 @@ from torch import nn
 
 from comera_dist.engine.faults import NonFiniteInjector, parse_steps
 from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
-from comera_dist.engine.trainer import NonFiniteGuard, _due
+from comera_dist.engine.trainer import NonFiniteGuard, _due, _eta
 
 
 def test_parse_steps():
@@ -76,6 +76,12 @@ def test_nonfinite_guard_counts_consecutive_and_total():
 def test_due_schedule():
     assert [s for s in range(1, 11) if _due(s, 3, 10)] == [3, 6, 9, 10]
     assert [s for s in range(1, 11) if _due(s, 0, 10)] == [10]
+
+
+def test_eta_is_the_mean_step_time_times_the_steps_left():
+    assert _eta(10.0, 5, 25) == "0:00:50"
+    assert _eta(3.0, 1, 1234) == "1:01:42"
+    assert _eta(1.0, 0, 3) == "0:00:03"  # never divides by zero
 
 
 def test_stop_request_records_signal_and_restores_handlers():

@@ -17,7 +17,7 @@ def _run(capsys, redirect: bool) -> str:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     try:
-        bar = ProgressBar(total_steps=5, log_every=1)
+        bar = ProgressBar(total_steps=5, log_every=1, interactive=True)
         if not redirect:
             bar._redirect.__exit__(None, None, None)
             bar._redirect = None
@@ -52,8 +52,19 @@ def test_without_the_redirect_the_line_glues_onto_the_bar(capsys):
 
 def test_bar_counts_completed_steps():
     """The trainer logs step 0 (before training) and steps 1..N: the bar ends at N of N, not N+1."""
-    bar = ProgressBar(total_steps=8, log_every=1)
+    bar = ProgressBar(total_steps=8, log_every=1, interactive=True)
     for step in range(9):
         bar.update({"train_loss": 1.0}, step)
     assert (bar._bar.n, bar._bar.total) == (8, 8)
     bar.close()
+
+
+def test_in_a_log_file_no_bar_is_drawn_and_the_handlers_stay(capsys):
+    """stderr not a terminal (pytest's capture, a Slurm output file): nothing but the log lines."""
+    before = logging.getLogger().handlers[:]
+    bar = ProgressBar(total_steps=4, log_every=1)
+    assert not bar.interactive and logging.getLogger().handlers == before
+    for step in range(5):
+        bar.update({"train_loss": 6.0 - step}, step)
+    bar.close()
+    assert capsys.readouterr().err == ""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from comera_dist.engine.distributed import disable_shm_op
 from comera_dist.engine.packing import pack_vectors, packed_of
 
 ModelFactory = Callable[[], nn.Module]
+SCHEDULER_NOT_STARTED = "Attempting to get learning rate from scheduler before it has started"
 
 
 @dataclass(slots=True)
@@ -73,12 +76,34 @@ def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection
     ds_config = to_deepspeed_dict(section, world_size, total_steps=total_steps,
                                   group_lrs=[g["lr"] for g in groups], weight_decay=comera.lr.weight_decay)
     disable_shm_op()
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    with scheduler_start_quiet():
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     packed = packed_of(model)
     if packed is not None:
         packed.install(detached=True)  # views of the flat parameters DeepSpeed moved, cast and re-viewed
     return Built(engine=engine, optimizer=optimizer, scheduler=scheduler, ds_config=ds_config,
                  group_names=[g["name"] for g in groups])
+
+
+class _DropSchedulerNotStarted(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(SCHEDULER_NOT_STARTED)
+
+
+@contextmanager
+def scheduler_start_quiet() -> Iterator[None]:
+    """Drop one DeepSpeed warning while an engine is built: its warmup schedulers ask themselves for a
+    learning rate in their constructor, before their first step, and warn that it is too early (DeepSpeed
+    0.19.8, ``runtime/lr_schedules.py``). That is one WARNING per rank at the start and at every physical
+    prune, about nothing in the run. Outside an engine build the warning is left alone."""
+    from deepspeed.utils import logger
+
+    drop = _DropSchedulerNotStarted()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def destroy(engine: Any) -> None:

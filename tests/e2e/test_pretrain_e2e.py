@@ -256,6 +256,17 @@ PRUNING_RUN = ("--set", "train.steps=6", "--set", "comera.controller.late_stage_
 step 3 really slices ranks and rebuilds the engine."""
 
 
+def test_a_warmup_run_that_prunes_logs_no_scheduler_warning(tmp_path):
+    """DeepSpeed's warmup scheduler warns in its constructor, once per engine build (the start and each prune):
+    the builds drop that message (``engine.build.scheduler_start_quiet``)."""
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={tmp_path / 'run'}",
+               *PRUNING_RUN, "--set", "deepspeed.scheduler.kind=warmup_cosine",
+               "--set", "deepspeed.scheduler.warmup_steps=1")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "physical prune, engine rebuilt" in p.stderr  # a second engine build
+    assert "Attempting to get learning rate" not in p.stdout + p.stderr
+
+
 def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_path):
     """A prune changes the shapes: the rebuilt engine is compiled again (a second trace, the
     re-capture point of CUDA graphs) and the compiled run still trains exactly as the eager one; so does a

@@ -87,6 +87,22 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
     return path
 
 
+def _stop_nonfinite(session: TrainSession, data: RunData, step: int, guard: NonFiniteGuard, metrics: Metrics, *,
+                    rank: int) -> None:
+    """The checkpoint of a run stopped by ``train.max_nonfinite_steps`` non-finite steps in a row.
+
+    Skipped steps never touch the weights, so the state is the last good step's unless it was already
+    poisoned (e.g. loaded from a corrupt file): ``session.save`` refuses non-finite tensors. No retention
+    here: every older checkpoint is kept."""
+    previous = latest_complete(session.checkpoint_root)
+    log.error("stopping: %d consecutive non-finite steps; checkpointing the state if it is finite, "
+              "keeping the previous checkpoint %s", guard.consecutive, previous)
+    saved = _checkpoint(session, data, step, guard, metrics, reason="nonfinite", retain=False)
+    if rank == 0:
+        log.error("non-finite stop: %s; the previous checkpoint %s is kept",
+                  f"wrote {saved}" if saved else "state non-finite, nothing written", previous)
+
+
 def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str) -> int:
     """Load ``spec`` (auto|none|path) into the session and the data loader; the step to start after."""
     try:
@@ -284,16 +300,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 log.info("step %d/%d %s eta %s", step, cfg.train.steps, _format(values),
                          _eta(time.perf_counter() - loop_start, step - start, cfg.train.steps - step))
             if guard.tripped:
-                # Skipped steps never touch the weights, so the state is the last good step's unless it was
-                # already poisoned (e.g. loaded from a corrupt file): session.save refuses non-finite
-                # tensors. No retention here: every older checkpoint is kept.
-                previous = latest_complete(session.checkpoint_root)
-                log.error("stopping: %d consecutive non-finite steps; checkpointing the state if it is finite, "
-                          "keeping the previous checkpoint %s", guard.consecutive, previous)
-                saved = _checkpoint(session, data, step, guard, metrics, reason="nonfinite", retain=False)
-                if info.rank == 0:
-                    log.error("non-finite stop: %s; the previous checkpoint %s is kept",
-                              f"wrote {saved}" if saved else "state non-finite, nothing written", previous)
+                _stop_nonfinite(session, data, step, guard, metrics, rank=info.rank)
                 status = EXIT_NONFINITE
                 break
             if stop.agree():

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comera_dist.bench.common import base_parser, progress, write_result
+from comera_dist.bench.common import base_parser, write_result
 from comera_dist.bench.six_encoder import top_ops
 from comera_dist.compression.accounting import compression_report, model_size
 from comera_dist.compression.config import ComeraConfig
@@ -53,6 +53,7 @@ from comera_dist.configbase import from_dict, load_yaml
 from comera_dist.data.config import DataConfig
 from comera_dist.data.loader import PackedLoader, eval_batches
 from comera_dist.data.prepare import PreparedData, evaluation_corpus, prepare_data
+from comera_dist.metrics.progress import terminal_progress
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 
@@ -130,7 +131,7 @@ def train_one(name: str, model_cfg: ModelConfig, comera: ComeraConfig, prepared:
                                                                            max_batches=eval_batches_n)}]
     train_s, tokens, train_losses = 0.0, 0, []
     label = name if tensorized else f"dense lr={dense_lr:g}"
-    for step in progress(range(1, steps + 1), desc=f"codebert {label}", unit="step"):
+    for step in terminal_progress(range(1, steps + 1), desc=f"codebert {label}", unit="step"):
         batch = next(loader)
         t0 = time.perf_counter()
         task = model(**batch)["loss"]

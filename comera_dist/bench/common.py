@@ -8,14 +8,11 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-
-T = TypeVar("T")
 
 
 def base_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -42,15 +39,6 @@ def counts(p: argparse.ArgumentParser, args: argparse.Namespace, *, steps: int, 
     if n < 1 or b < 1:
         p.error(f"--steps and --batch-size must be >= 1, got {n} and {b}")
     return n, b
-
-
-def progress(items: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it") -> Iterable[T]:
-    """``items`` with a tqdm bar on stderr while a long benchmark works through them.
-
-    Drawn only when stderr is a terminal: a bar redrawn into a log file (CI, Slurm, ``> out.txt``) is
-    noise, and the benchmark's table and JSON are its record. The bar closes when the loop ends.
-    """
-    return tqdm(items, desc=desc, total=total, unit=unit, disable=None, leave=False, dynamic_ncols=True)
 
 
 def machine() -> dict[str, Any]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from comera_dist.bench.common import base_parser, counts, progress, workload_options, write_result
+from comera_dist.bench.common import base_parser, counts, workload_options, write_result
 from comera_dist.bench.memory_probe import run_probe
 from comera_dist.bench.six_encoder import GALORE
+from comera_dist.metrics.progress import terminal_progress
 
 ORDER = ("dense", "galore", "comera")
 
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> int:
     load_start = os.getloadavg()
     results = {name: run_probe(workload="six-encoder", contender=name, batch_size=batch, steps=steps,
                                smoke=args.smoke, threads=args.threads, profile=True, recompute=args.recompute)
-               for name in progress(ORDER, desc="galore", unit="contender")}
+               for name in terminal_progress(ORDER, desc="galore", unit="contender")}
     rows: list[dict[str, Any]] = []
     gap = GALORE["update_proj_gap"]
     for name in ORDER:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_dist.bench.common import base_parser, progress, workload_options, write_result
+from comera_dist.bench.common import base_parser, workload_options, write_result
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.compression.accounting import model_size
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
@@ -38,6 +38,7 @@ from comera_dist.compression.controller import RankController
 from comera_dist.compression.groups import param_groups
 from comera_dist.compression.penalty import rank_penalty
 from comera_dist.kernels import dispatch
+from comera_dist.metrics.progress import terminal_progress
 from comera_dist.models import build_model
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.presets import (
@@ -251,7 +252,7 @@ def main(argv: list[str]) -> int:
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
     rows: list[dict[str, Any]] = []
     cases = [(b, name) for b in sizes for name in contenders]
-    for b, name in progress(cases, desc="six-encoder", unit="case"):
+    for b, name in terminal_progress(cases, desc="six-encoder", unit="case"):
         c = contenders[name]
         batch = random_batch(c.model, b, smoke=args.smoke)
         mem = measure_step(c.model, c.optimizer, lambda c=c, batch=batch: c.loss(batch))  # also the warm-up

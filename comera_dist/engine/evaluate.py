@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.packing import unpack_saved
 from comera_dist.engine.prune import model_at_shapes
 from comera_dist.engine.token_stats import label_token_sums
+from comera_dist.metrics.progress import terminal_progress
 from comera_dist.models.gpt import GPT
 
 CONSOLIDATED = "consolidated_fp32.pt"
@@ -140,7 +142,7 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
         tokenizer = load_tokenizer(_tokenizer_dir(path, cfg))
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
-                                   show_progress=False)
+                                   show_progress=sys.stderr.isatty())  # a large corpus takes a while to read
         collator = collator_for(cfg.data.objective, tokenizer, cfg.data.mlm_probability)
         batches = list(eval_batches(blocks, batch_size=batch_size, rank=0, world_size=1, seed=seed,
                                     collator=collator, max_batches=max_batches))
@@ -148,8 +150,9 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
         raise InputError(str(e)) from e
     run = load_run(path)
     device = next(run.model.parameters()).device  # the model's device: batches go through the one mover
-    loss_sum, correct, count = label_token_sums(run.model, batches_to_device(batches, device),
-                                                causal=isinstance(run.model, GPT))
+    on_device = terminal_progress(batches_to_device(batches, device), desc="evaluate", total=len(batches),
+                                  unit="batch")
+    loss_sum, correct, count = label_token_sums(run.model, on_device, causal=isinstance(run.model, GPT))
     count = int(count)
     return {"checkpoint": str(run.path), "loss": loss_sum / count if count else math.nan,
             "accuracy": correct / count if count else math.nan, "masked_tokens": count,

@@ -1,4 +1,6 @@
-"""ProgressBar: the rank-0 tqdm bar with loss, tokens/s, compression ratio and stage.
+"""Progress bars: the trainer's rank-0 bar (``ProgressBar``) and ``terminal_progress`` for other long loops.
+
+``ProgressBar`` shows loss, tokens/s, compression ratio and stage.
 
 While the bar is open, console log records (the root logger's and DeepSpeed's stderr/stdout
 handlers) go through ``tqdm.write`` (``tqdm.contrib.logging.logging_redirect_tqdm``): the bar
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+T = TypeVar("T")
 
 # Loggers with their own console handlers: the root (the trainer's) and DeepSpeed's (propagate=False).
 REDIRECTED_LOGGERS = ("", "DeepSpeed")
@@ -67,3 +72,12 @@ class ProgressBar:
         if self._redirect is not None:  # the original console handlers come back
             self._redirect.__exit__(None, None, None)
             self._redirect = None
+
+
+def terminal_progress(items: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it") -> Iterable[T]:
+    """``items`` with a tqdm bar on stderr while a long loop (a benchmark, ``comera evaluate``) works through them.
+
+    Drawn only when stderr is a terminal: a bar redrawn into a log file (CI, Slurm, ``> out.txt``) is
+    noise there. The bar closes when the loop ends.
+    """
+    return tqdm(items, desc=desc, total=total, unit=unit, disable=None, leave=False, dynamic_ncols=True)

@@ -11,6 +11,7 @@ not through ``load_run``: evaluate and export share that path, so it cannot be t
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import re
@@ -133,6 +134,23 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
                          (["--checkpoint", str(run_dir), "--data", str(corpus.parent / "empty.txt")], "empty corpus")):
         rc, _, err = in_process(capsys, "evaluate", *args)
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_evaluate_shows_its_progress_on_a_terminal_only(run_dir, corpus, monkeypatch, capsys):
+    """A large corpus takes a while: on a terminal the files being read and the batches evaluated have bars
+    (the JSON on stdout is the same); in a log file (the test above) nothing is drawn."""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--json",
+                     "--batch-size", "4"]) == 0
+    drawn = terminal.getvalue()
+    assert "\revaluate:" in drawn and "batch" in drawn, drawn[-2000:]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["batches"] > 0
 
 
 @torch.no_grad()

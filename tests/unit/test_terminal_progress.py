@@ -1,4 +1,5 @@
-"""``bench.common.progress``: a bar on a terminal, nothing in a log file, the items unchanged either way."""
+"""``metrics.progress.terminal_progress``: a bar on a terminal, nothing in a log file, the items unchanged either
+way; the long benchmarks use it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from comera_dist.bench import codebert
-from comera_dist.bench.common import progress
+from comera_dist.metrics.progress import terminal_progress
 
 
 class Terminal(io.StringIO):
@@ -19,7 +20,7 @@ class Terminal(io.StringIO):
 @pytest.mark.parametrize("stream", [Terminal(), io.StringIO()], ids=["terminal", "log file"])
 def test_a_bar_on_a_terminal_and_none_in_a_log_file(stream, monkeypatch):
     monkeypatch.setattr(sys, "stderr", stream)
-    assert list(progress(range(3), desc="six-encoder", unit="case")) == [0, 1, 2]
+    assert list(terminal_progress(range(3), desc="six-encoder", unit="case")) == [0, 1, 2]
     drawn = stream.getvalue()
     if stream.isatty():
         assert "six-encoder:" in drawn and "/3 [" in drawn  # the bar, with its total

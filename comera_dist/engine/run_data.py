@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,8 +81,10 @@ def build_run_data(cfg: RunConfig, info: DistInfo) -> RunData:
     sizes = solve_batch_sizes(cfg.deepspeed, info.world_size)
     with input_errors():
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)  # before any build
+        # Bars on rank 0's terminal only: in a log file (Slurm) each redraw is a '\r'-joined fragment, and the
+        # pipeline logs each artefact it builds.
         prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
-                                show_progress=info.rank == 0, barrier=dist.barrier)
+                                show_progress=info.rank == 0 and sys.stderr.isatty(), barrier=dist.barrier)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)
         # Collation on a prefetch thread; pinned batches on CUDA, so the engine's copy is asynchronous.
         loader = PackedLoader(prepared.train, batch_size=sizes.micro_batch, rank=info.rank,

@@ -217,7 +217,8 @@ def main(argv: list[str]) -> int:
                          eval_batches_n=n_eval, scale=scale, seed=0, heldout=heldout,
                          heldout_batches=args.heldout_batches, dense_lr=dense_lr)
 
-    runs = dense_sweep(args.dense_lr or [comera.lr.dense], lambda lr: run("dense", lr)) | {"comera": run("comera")}
+    dense_lrs = args.dense_lr or [comera.lr.dense]
+    runs = dense_sweep(dense_lrs, lambda lr: run("dense", lr)) | {"comera": run("comera")}
     rows = [{"contender": n, "lr": r["lr"], "steps": steps, "tokens": r["tokens"], "train_s": r["train_s"],
              "tokens_per_s": r["tokens"] / r["train_s"], "final_val_loss": r["final_val_loss"],
              "final_train_loss": r["final_train_loss"], "heldout_loss": r["heldout_loss"], "params": r["params"],
@@ -236,7 +237,7 @@ def main(argv: list[str]) -> int:
               "tie_word_embeddings": model_cfg.tie_word_embeddings,
               "heldout": [str(h) for h in args.heldout], "heldout_blocks": None if heldout is None else len(heldout),
               "heldout_batches": args.heldout_batches, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
-              "smoke": args.smoke, "dense_lrs": args.dense_lr or [comera.lr.dense], "dense_lr": runs["dense"]["lr"],
+              "smoke": args.smoke, "dense_lrs": dense_lrs, "dense_lr": runs["dense"]["lr"],
               "eval_every": eval_every, "eval_batches": n_eval, "schedule_scale": scale,
               "loop": "plain single-process loop (same model, controller, pruning as the engine)",
               "final_stage": runs["comera"]["stage"], "final_ranks": {k: v["ranks"] for k, v in rep["layers"].items()},

@@ -85,11 +85,6 @@ def initialize(model: nn.Module, comera: ComeraConfig, section: DeepSpeedSection
                  group_names=[g["name"] for g in groups])
 
 
-class _DropSchedulerNotStarted(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(SCHEDULER_NOT_STARTED)
-
-
 @contextmanager
 def scheduler_start_quiet() -> Iterator[None]:
     """Drop one DeepSpeed warning while an engine is built: its warmup schedulers ask themselves for a
@@ -98,7 +93,9 @@ def scheduler_start_quiet() -> Iterator[None]:
     prune, about nothing in the run. Outside an engine build the warning is left alone."""
     from deepspeed.utils import logger
 
-    drop = _DropSchedulerNotStarted()
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(SCHEDULER_NOT_STARTED)
+
     logger.addFilter(drop)
     try:
         yield

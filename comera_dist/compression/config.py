@@ -72,7 +72,7 @@ class ControllerConfig:
     gamma: float = 0.01
     """Early-stage weight of the rank penalty: ``loss = L + gamma * R``."""
     tau: float = 1e-2
-    """Gate threshold: a rank survives while its gate exceeds ``tau`` (> 0)."""
+    """Gate threshold: a rank survives while its gate exceeds ``tau``, in (0, 1): every gate starts at 1."""
     late_stage_step: int | None = None
     """Optimizer step at which the late stage begins (``None``: not by step)."""
     late_stage_loss: float | None = None
@@ -90,8 +90,9 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.gamma < 0:
             raise ValueError(f"controller.gamma must be >= 0, got {self.gamma}")
-        if not self.tau > 0:
-            raise ValueError(f"controller.tau must be > 0, got {self.tau}")
+        if not 0 < self.tau < 1:
+            raise ValueError(f"controller.tau must be in (0, 1), got {self.tau}: every gate starts at 1, so "
+                             "a threshold of 1 or more kills every rank before the first step")
         if self.late_stage_step is not None and self.late_stage_step < 0:
             raise ValueError(f"controller.late_stage_step must be >= 0 or null, got {self.late_stage_step}")
         if self.late_stage_loss is not None and not self.late_stage_loss > 0:

@@ -55,8 +55,10 @@ def test_unknown_key_is_a_config_error_with_hint():
         (TensorizeConfig, {"modes": {"ffn_in": [[2, 2]]}}, r"modes\['ffn_in'\] .*\[\[2, 2\]\]"),
         (TensorizeConfig, {"modes": {"ffn_out": [[2, 0], [2, 2]]}}, r"positive integers"),
         (TensorizeConfig, {"modes": {"attention": [[2, 2], [4]]}}, r"as many input as output"),
-        (ControllerConfig, {"tau": 0.0}, r"tau must be > 0, got 0.0"),
-        (ControllerConfig, {"tau": -1e-3}, r"tau must be > 0, got -0.001"),
+        (ControllerConfig, {"tau": 0.0}, r"tau must be in \(0, 1\), got 0.0"),
+        (ControllerConfig, {"tau": -1e-3}, r"tau must be in \(0, 1\), got -0.001"),
+        (ControllerConfig, {"tau": 1.0}, r"tau must be in \(0, 1\), got 1.0: every gate starts at 1"),
+        (ControllerConfig, {"tau": float("nan")}, r"tau must be in \(0, 1\), got nan"),
         (ControllerConfig, {"gamma": -1.0}, r"gamma .* got -1.0"),
         (ControllerConfig, {"target_ratio": 0.0}, r"target_ratio .* got 0.0"),
         (ControllerConfig, {"target_ratio": 1.5}, r"target_ratio .* got 1.5"),
@@ -76,5 +78,5 @@ def test_bad_values_raise_naming_field_and_value(cls, kwargs, message):
 
 
 def test_bad_value_in_yaml_names_the_section():
-    with pytest.raises(ConfigError, match=r"tau must be > 0"):
+    with pytest.raises(ConfigError, match=r"tau must be in \(0, 1\)"):
         from_dict(ComeraConfig, {"controller": {"tau": 0}}, "comera")

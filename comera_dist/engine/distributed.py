@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,6 +41,21 @@ def disable_shm_op() -> None:
     The op only serves inference all-reduce; training traffic goes through gloo/NCCL either way.
     """
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+ALL_GATHER_DEPRECATED = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+
+
+def quiet_all_gather_deprecation() -> None:
+    """Ignore torch's FutureWarning that ``all_gather_into_tensor`` is deprecated (torch 2.13, for
+    ``all_gather_single``), for the whole process.
+
+    DeepSpeed 0.19.8's torch backend (``deepspeed.comm.torch``) makes that call for ZeRO's step and for every
+    ``deepspeed.comm.all_gather_into_tensor`` (``engine.hooks`` too), so each rank of a multi-rank run printed it
+    with a line of torch's own ``c10d_logger`` as the culprit: nothing a user of this package can change.
+    ``all_gather_single`` is not in torch 2.11 (the GPU image), so DeepSpeed cannot simply switch. Other warnings
+    are left alone."""
+    warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATED, category=FutureWarning)
 
 
 def _free_port() -> int:
@@ -109,6 +125,7 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     disable_shm_op()
+    quiet_all_gather_deprecation()
     source = discover_ranks()
     accelerator = get_accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])

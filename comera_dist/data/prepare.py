@@ -14,7 +14,7 @@ from comera_dist.data import cache, corpus, packing, sources
 from comera_dist.data.collators import Collator, collator_for
 from comera_dist.data.config import DataConfig
 from comera_dist.data.errors import DataError
-from comera_dist.data.tokenizer import obtain_tokenizer, tokenizer_key
+from comera_dist.data.tokenizer import obtain_tokenizer, tokenizer_digest, tokenizer_key
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,18 @@ class PreparedData:
 
 
 def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True,
-                 barrier: Callable[[], None] | None = None) -> PreparedData:
+                 barrier: Callable[[], None] | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> PreparedData:
     """Build (or load from cache) corpus, tokenizer and packed blocks.
 
     In a multi-process run every rank calls this with a ``barrier`` (e.g.
     ``deepspeed.comm.barrier``): rank 0 builds while the others wait, then they load the
     published cache entries. Pass the *local* rank when ``cache_dir`` is node-local. Progress
     bars show on rank 0 only.
+
+    ``tokenizer``: pack with this one instead of the cached or trained one (``prepare_tokenizer``'s, sent
+    from one rank to all: WordPiece training is not repeatable, so two nodes' caches can hold different
+    tokenizers under one key). Blocks are cached by the digest of the tokenizer that made them.
     """
     if not 0 <= rank < world_size:
         raise DataError(f"prepare_data: rank={rank} not in [0, world_size={world_size})")
@@ -57,30 +62,49 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
     try:
         show = show_progress and builder
         with cache.datasets_progress(show):
-            out = _prepare(cfg, build=builder, show_progress=show)
+            out = _prepare(cfg, build=builder, show_progress=show, tokenizer=tokenizer)
     finally:
         if builder and barrier is not None:
             barrier()  # release the waiting ranks (also on failure, so they fail fast on the missing entry)
     return out
 
 
-def _prepare(cfg: DataConfig, *, build: bool, show_progress: bool) -> PreparedData:
-    root = cfg.resolved_cache_dir()
-    corpus_key, _ = corpus.corpus_plan(cfg)
+def prepare_tokenizer(cfg: DataConfig, *, show_progress: bool = True) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``cfg`` in this process: ``pretrained``, cached, or trained (building the corpus first
+    when it is not cached). One process of a run calls it; ``prepare_data(tokenizer=...)`` packs with it."""
+    with cache.datasets_progress(show_progress):
+        tokenizer, _ = _tokenizer(cfg, cfg.resolved_cache_dir(), corpus.corpus_plan(cfg)[0], build=True,
+                                  show_progress=show_progress)
+    return tokenizer
+
+
+def _tokenizer(cfg: DataConfig, root: Path, corpus_key: str, *, build: bool,
+               show_progress: bool) -> tuple[PreTrainedTokenizerBase, datasets.DatasetDict | None]:
+    """(tokenizer, the corpus if it had to be read to train it)."""
+    tok_path = cache.entry_dir(root, "tokenizer", tokenizer_key(corpus_key, cfg.tokenizer))
     docs = None
-    tok_key = tokenizer_key(corpus_key, cfg.tokenizer)
-    tok_path = cache.entry_dir(root, "tokenizer", tok_key)
-    blocks_path = cache.entry_dir(root, "blocks", cache.content_key(
-        "blocks", {"tokenizer": tok_key, "corpus": corpus_key, "seq_len": cfg.seq_len,
-                   "objective": cfg.objective}))
-    need_tokenizer = cfg.tokenizer.pretrained is None and cache.read_meta(tok_path) is None
-    if build and (need_tokenizer or cache.read_meta(blocks_path) is None):
+    if build and cfg.tokenizer.pretrained is None and cache.read_meta(tok_path) is None:
         docs = corpus.build_corpus(cfg, root, show_progress=show_progress)
     tokenizer, _ = obtain_tokenizer(docs["train"] if docs is not None else None, cfg.tokenizer,
                                     corpus_key=corpus_key, cache_root=root, show_progress=show_progress)
+    return tokenizer, docs
+
+
+def _prepare(cfg: DataConfig, *, build: bool, show_progress: bool,
+             tokenizer: PreTrainedTokenizerBase | None) -> PreparedData:
+    root = cfg.resolved_cache_dir()
+    corpus_key, _ = corpus.corpus_plan(cfg)
+    docs = None
+    if tokenizer is None:
+        tokenizer, docs = _tokenizer(cfg, root, corpus_key, build=build, show_progress=show_progress)
+    blocks_path = cache.entry_dir(root, "blocks", cache.content_key(
+        "blocks", {"tokenizer": tokenizer_digest(tokenizer), "corpus": corpus_key, "seq_len": cfg.seq_len,
+                   "objective": cfg.objective}))
     if cache.read_meta(blocks_path) is None:
-        if docs is None:
+        if not build:
             raise cache.missing_after_build(blocks_path)
+        if docs is None:
+            docs = corpus.build_corpus(cfg, root, show_progress=show_progress)
         meta: dict = {"seq_len": cfg.seq_len, "objective": cfg.objective}
         with cache.publish(blocks_path, meta) as tmp:
             packed = datasets.DatasetDict({

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +98,54 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     if meta is not None and meta.get("vocab") not in (None, len(tok)):
         raise cache.unreadable(path, f"vocabulary of {len(tok)} tokens, recorded {meta['vocab']}")
     return tok
+
+
+def tokenizer_digest(tok: PreTrainedTokenizerBase) -> str:
+    """sha256 of what decides the ids: a fast tokenizer's whole JSON (model with its vocabulary, normalizer,
+    pre-tokenizer, special tokens), else its vocabulary. Two tokenizers with one digest encode alike."""
+    if tok.is_fast:
+        text = tok.backend_tokenizer.to_str()
+    else:
+        text = json.dumps([type(tok).__name__, sorted(tok.get_vocab().items())])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def tokenizer_files(tok: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes, by name: a tokenizer as plain data, to send to other ranks."""
+    with tempfile.TemporaryDirectory(prefix="comera-tokenizer-") as tmp:
+        tok.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes]) -> PreTrainedTokenizerBase:
+    """The tokenizer ``tokenizer_files`` described (loaded into memory; nothing stays on disk)."""
+    with tempfile.TemporaryDirectory(prefix="comera-tokenizer-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / Path(name).name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def save_run_tokenizer(tok: PreTrainedTokenizerBase, path: Path) -> None:
+    """Write ``tok`` to ``path`` (a run's ``<run>/tokenizer``), atomically.
+
+    One already there is kept when it is ``tok`` (same digest), and replaced when it is another (a fresh start
+    in the directory of an earlier run): the old copy is moved aside, the new one renamed in, the old one
+    deleted, so a crash leaves one of the two under ``path``, never neither."""
+    if path.is_dir():
+        with contextlib.suppress(DataError, OSError):
+            if tokenizer_digest(load_tokenizer(path)) == tokenizer_digest(tok):
+                return
+        log.info("tokenizer: replacing %s, another run's", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=path.parent))
+    tok.save_pretrained(str(tmp))
+    aside = None
+    if path.is_dir():
+        aside = Path(tempfile.mkdtemp(prefix=".tokenizer-old-", dir=path.parent))
+        os.replace(path, aside / "tokenizer")
+    os.replace(tmp, path)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _pretrained_dir(name: str) -> Path:

@@ -8,20 +8,29 @@ data input surfaces as ``InputError`` (the CLI prints one line and exits 2).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import deepspeed.comm as dist
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from comera_dist.config import RunConfig
+from comera_dist.data import DataConfig
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import PackedLoader, eval_batches
-from comera_dist.data.prepare import PreparedData, check_compat, prepare_data
+from comera_dist.data.prepare import PreparedData, check_compat, prepare_data, prepare_tokenizer
+from comera_dist.data.tokenizer import (
+    load_tokenizer,
+    save_run_tokenizer,
+    tokenizer_digest,
+    tokenizer_files,
+    tokenizer_from_files,
+)
+from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.config import solve_batch_sizes
 from comera_dist.engine.device import accelerator_device
 from comera_dist.engine.distributed import DistInfo
@@ -65,26 +74,75 @@ class RunData:
         """Tokens consumed by one optimizer step over all ranks."""
         return self.micro_batch * self.accumulation * self.info.world_size * self.cfg.data.seq_len
 
+    @property
+    def tokenizer_digest(self) -> str:
+        """``data.tokenizer.tokenizer_digest`` of the run's tokenizer (the same on every rank)."""
+        return tokenizer_digest(self.prepared.tokenizer)
+
     def save_tokenizer(self, path: Path) -> None:
-        """Write the tokenizer beside the checkpoints (``comera evaluate`` reads it), atomically."""
-        path = Path(path)
-        if path.is_dir():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=path.parent))
-        self.prepared.tokenizer.save_pretrained(str(tmp))
-        os.replace(tmp, path)
+        """Write the tokenizer beside the checkpoints, where ``comera evaluate`` and a resume read it."""
+        save_run_tokenizer(self.prepared.tokenizer, Path(path))
 
 
-def build_run_data(cfg: RunConfig, info: DistInfo) -> RunData:
-    """Prepare the data on every rank (collective: every rank must call it)."""
+def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, global rank 0's on every rank (collective).
+
+    Rank 0 loads ``given`` (the tokenizer beside the checkpoint a resume continues from) or prepares the
+    configured one (cached, or trained on its node's corpus), and sends its files to the other ranks,
+    which wait at a barrier meanwhile, as they do for the data build. Training it on each node would not
+    do: the ``tokenizers`` WordPiece trainer numbers (and picks) tokens in hash-map order, different in every
+    process, so two nodes with node-local caches, or a requeue onto a node whose cache is empty, would get
+    other ids for the same text."""
+    show = info.rank == 0 and sys.stderr.isatty()
+    if info.world_size == 1:
+        return load_tokenizer(given) if given is not None else prepare_tokenizer(cfg, show_progress=show)
+    box: list[Any] = [None]
+    if info.rank == 0:
+        try:
+            tok = load_tokenizer(given) if given is not None else prepare_tokenizer(cfg, show_progress=show)
+            box[0] = tokenizer_files(tok)
+        finally:  # also on failure: the others must not wait for a tokenizer that is not coming
+            dist.barrier()
+            dist.broadcast_object_list(box, src=0)
+        return tok
+    dist.barrier()
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise DataError("rank 0 could not prepare the run's tokenizer (its log says why)")
+    return tokenizer_from_files(box[0])
+
+
+def resume_tokenizer_dir(output_dir: Path, resume: str) -> Path | None:
+    """The tokenizer a run resumed with ``resume`` (auto|none|path) must keep: ``<run>/tokenizer`` of the run
+    whose checkpoints it continues (``save_tokenizer`` writes it at the run's start). None for a fresh start,
+    and where there is none to keep (the configured tokenizer is used; the checkpoint's recorded digest is
+    checked at the resume). Reads the file system only: ``checkpoint.choose`` picks the checkpoint later."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        root = Path(output_dir) / "checkpoints"
+    else:
+        path = Path(resume)
+        root = path if ckpt.complete_checkpoints(path) else path.parent
+    found = root.is_dir() and (ckpt.complete_checkpoints(root) or any(root.glob(".tmp-*")))
+    tokenizer = root.parent / "tokenizer"
+    return tokenizer if found and tokenizer.is_dir() else None
+
+
+def build_run_data(cfg: RunConfig, info: DistInfo, *, tokenizer_dir: Path | None = None) -> RunData:
+    """Prepare the data on every rank (collective: every rank must call it).
+
+    ``tokenizer_dir``: the tokenizer to keep (a resumed run's own, ``resume_tokenizer_dir``), else the
+    configured one. Either way global rank 0's (``run_tokenizer``)."""
     sizes = solve_batch_sizes(cfg.deepspeed, info.world_size)
     with input_errors():
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)  # before any build
         # Bars on rank 0's terminal only: in a log file (Slurm) each redraw is a '\r'-joined fragment, and the
         # pipeline logs each artefact it builds.
+        tokenizer = run_tokenizer(cfg.data, info, tokenizer_dir)
         prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
-                                show_progress=info.rank == 0 and sys.stderr.isatty(), barrier=dist.barrier)
+                                show_progress=info.rank == 0 and sys.stderr.isatty(), barrier=dist.barrier,
+                                tokenizer=tokenizer)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)
         # Collation on a prefetch thread; pinned batches on CUDA, so the engine's copy is asynchronous.
         loader = PackedLoader(prepared.train, batch_size=sizes.micro_batch, rank=info.rank,

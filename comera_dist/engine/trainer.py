@@ -36,7 +36,7 @@ from comera_dist.engine.distributed import DistInfo, init_distributed
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.faults import NonFiniteInjector
 from comera_dist.engine.model_factory import build_run_model
-from comera_dist.engine.run_data import RunData, build_run_data
+from comera_dist.engine.run_data import RunData, build_run_data, resume_tokenizer_dir
 from comera_dist.engine.session import NonFiniteGradientsApplied, TrainSession
 from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
 from comera_dist.metrics import Metrics, build_metrics
@@ -77,7 +77,7 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
     """
     _check_alive(session.compression_report())  # a dead model is not worth a checkpoint, nor a requeue
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
-              "reason": reason}
+              "reason": reason, "tokenizer_sha256": data.tokenizer_digest}
     try:
         path = session.save(step, client, retain=retain)
     except Exception:
@@ -111,6 +111,12 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
         raise InputError(str(e).replace("\n", " ")) from e
     if client is None:
         return 0
+    saved = client.get("tokenizer_sha256")  # absent in checkpoints from before it was recorded
+    if saved is not None and saved != data.tokenizer_digest:
+        raise InputError(f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the "
+                         f"one this run prepared (sha256 {data.tokenizer_digest[:12]}), so its token ids would mean "
+                         "other tokens. Put the tokenizer saved beside that checkpoint at <run>/tokenizer, or set "
+                         "data.tokenizer.pretrained to it, or start over with --resume none")
     data.train.load_state_dict(client["data_state"])  # this rank's own (the session checks the world size)
     guard.total = client.get("nonfinite_steps_total", 0)
     log.info("resumed at step %d", client["step"])
@@ -237,7 +243,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
-    data = build_run_data(cfg, info)  # rank 0 builds corpus + tokenizer, the others wait; checks compat
+    # rank 0 builds corpus + tokenizer (or keeps a resumed run's), the others wait; checks compat
+    data = build_run_data(cfg, info, tokenizer_dir=resume_tokenizer_dir(Path(cfg.train.output_dir), resume))
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
     guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
     start = _restore(session, data, guard, resume)

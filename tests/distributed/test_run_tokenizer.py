@@ -1,0 +1,87 @@
+"""The run's tokenizer is global rank 0's on every rank, and a resumed run keeps its own.
+
+The ``tokenizers`` WordPiece trainer picks and numbers tokens in hash-map order, different in every process
+(huggingface/tokenizers#1794): two nodes that each trained one on the same corpus encoded the same text with
+other ids. Real ``comera pretrain`` processes; each rank here is local rank 0 of its own "node" with its own
+cache, as on a cluster with node-local caches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
+
+REPO = Path(__file__).resolve().parents[2]
+WORDPIECE = ["--set", "data.tokenizer.kind=wordpiece", "--set", "train.steps=2", "--set", "train.checkpoint_every=2",
+             "--set", "metrics.prometheus=false", "--set", "train.eval_every=0"]
+
+pytestmark = pytest.mark.distributed
+
+
+def _env(cache: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(COMERA_CACHE=str(cache), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(extra)
+    return env
+
+
+def _pretrain(out: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "comera_dist.cli", "pretrain", "--config", "configs/tiny-cpu.yaml",
+                             "--set", f"train.output_dir={out}", *WORDPIECE, *extra], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _blocks(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if p.name.startswith("blocks-"))
+
+
+def test_nodes_with_their_own_caches_pack_with_rank_0s_tokenizer(tmp_path, port):
+    caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
+    procs = [_pretrain(tmp_path / "run", _env(caches[rank], RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for rank in (0, 1)]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    # node 1 never trained a tokenizer, and packed its corpus with rank 0's: the blocks entry of the same digest
+    assert [p.name.split("-")[0] for p in caches[1].iterdir() if p.name.startswith("tokenizer-")] == []
+    assert _blocks(caches[0]) == _blocks(caches[1]) and len(_blocks(caches[0])) == 1
+    import datasets
+    rows = [datasets.load_from_disk(str(c / _blocks(c)[0]))["train"]["input_ids"][:8] for c in caches]
+    assert rows[0] == rows[1]
+
+
+def test_a_resume_with_an_empty_cache_keeps_the_runs_tokenizer(tmp_path):
+    """A Slurm requeue onto a node whose cache is empty: the run's tokenizer is kept, not trained again."""
+    out = tmp_path / "run"
+    first = _pretrain(out, _env(tmp_path / "cache-a"))
+    assert first.wait(timeout=400) == 0, first.stdout.read()[-3000:]
+    saved = tokenizer_digest(load_tokenizer(out / "tokenizer"))
+    again = _pretrain(out, _env(tmp_path / "cache-b"), "--set", "train.steps=4")
+    log = again.communicate(timeout=400)[0]
+    assert again.returncode == 0, log[-3000:]
+    assert "resumed at step 2" in log and "tokenizer: trained" not in log, log[-3000:]
+    assert tokenizer_digest(load_tokenizer(out / "tokenizer")) == saved
+
+
+def test_a_resume_with_another_tokenizer_is_refused(tmp_path):
+    """The checkpoint records its tokenizer's digest: with the run's tokenizer replaced by another (an older
+    run directory, a hand copy), the resume is one clear line and exit 2, not a model fed other ids."""
+    out = tmp_path / "run"
+    first = _pretrain(out, _env(tmp_path / "cache"))
+    assert first.wait(timeout=400) == 0, first.stdout.read()[-3000:]
+    other = _pretrain(tmp_path / "other", _env(tmp_path / "cache"), "--set", "data.tokenizer.vocab_size=500",
+                      "--set", "train.steps=1", "--set", "train.checkpoint_every=0")
+    assert other.wait(timeout=400) == 0, other.stdout.read()[-3000:]
+    (out / "tokenizer").rename(tmp_path / "kept")
+    (tmp_path / "other" / "tokenizer").rename(out / "tokenizer")
+    again = _pretrain(out, _env(tmp_path / "cache"), "--set", "train.steps=4")
+    log = again.communicate(timeout=400)[0]
+    assert again.returncode == 2, log[-3000:]
+    assert "resume: the checkpoint was trained with another tokenizer" in log, log[-3000:]

@@ -12,6 +12,13 @@ Builder = Literal["text", "json", "parquet"]
 SplitBy = Literal["auto", "file", "document"]
 
 
+SPLIT_BY_OF_SOURCE: dict[str, tuple[str, str]] = {
+    "stdlib": ("file", "a hash of each path under the stdlib root"),
+    "hf": ("document", "a hash of each text, or the dataset's own train/validation splits"),
+}
+"""The one split each fixed-split source honours, and how it draws it (``data.corpus``)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TokenizerConfig:
     """How the tokenizer is trained (with ``tokenizers``, on the train split) or where it is loaded from."""
@@ -62,7 +69,8 @@ class DataConfig:
     """Salt of the split hash: change it to draw a different, still deterministic, split."""
     split_by: SplitBy = "auto"
     """``file``: hash the path relative to the corpus root; ``document``: hash the text;
-    ``auto``: by file when that gives both splits at least one file, else by document."""
+    ``auto``: by file when that gives both splits at least one file, else by document. Only the ``files``
+    source chooses: ``stdlib`` always splits by file and ``hf`` by document (``SPLIT_BY_OF_SOURCE``)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """The tokenizer section."""
     seq_len: int = 128
@@ -102,6 +110,10 @@ class DataConfig:
         if self.source != "hf" and self.hf_kwargs:
             raise ValueError(f"data.hf_kwargs is only read when data.source is 'hf' (source is "
                              f"{self.source!r}), got {self.hf_kwargs}")
+        if self.source in SPLIT_BY_OF_SOURCE and self.split_by not in ("auto", SPLIT_BY_OF_SOURCE[self.source][0]):
+            by, how = SPLIT_BY_OF_SOURCE[self.source]
+            raise ValueError(f"data.split_by={self.split_by!r} is not honoured by data.source={self.source!r}, "
+                             f"which splits by {by} ({how}); set data.split_by to 'auto' or {by!r}")
 
     def resolved_cache_dir(self) -> Path:
         """The cache root: ``cache_dir``, else ``$COMERA_CACHE``, else ``~/.cache/comera-dist``."""

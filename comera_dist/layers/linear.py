@@ -44,6 +44,9 @@ class TTLinear(TensorizedModule):
         if not isinstance(num_cores, int) or isinstance(num_cores, bool) or num_cores < 2:
             raise ValueError(f"num_cores must be an int >= 2, got {num_cores!r}")
         d_in = (num_cores + 1) // 2 if in_modes is None else len(in_modes)
+        if out_modes is None and num_cores <= d_in:  # the output side would get num_cores - d_in <= 0 cores
+            raise ValueError(f"num_cores={num_cores} leaves no output core after in_modes={in_modes} ({d_in} cores): "
+                             f"pass num_cores >= {d_in + 1} or out_modes")
         self.in_modes = factorize(in_features, d_in) if in_modes is None else \
             check_modes("in_modes", in_modes, in_features)
         self.out_modes = factorize(out_features, num_cores - d_in)[::-1] if out_modes is None else \

@@ -95,7 +95,7 @@ class TiedTTHead(nn.Module):
         if e.padding_idx is not None:  # the table's padding row is zero (TTEmbedding.table)
             logits = logits.index_fill(1, torch.tensor([e.padding_idx], device=logits.device), 0.0)
         if self.bias is not None:
-            logits = logits + self.bias
+            logits = logits + self.bias.to(logits.dtype)  # an fp32 bias must not promote bf16 (autocast) logits
         return logits.reshape(*h.shape[:-1], e.num_embeddings)
 
     # ---- conversion ----------------------------------------------------------------------------

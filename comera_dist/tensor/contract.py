@@ -6,6 +6,8 @@ M1*M2 >= vocabulary rows and N1*N2 = embedding columns of a TTM split in two hal
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -121,7 +123,7 @@ def tt_linear_einsum(x: Tensor, cores: list[Tensor], masks: list[Tensor] | None,
         operands.append(m)
         terms.append(bonds[k + 1])
     y = torch.einsum(",".join(terms) + "->t" + modes[d:], *operands)  # (T, n_{d+1}, ..., n_D)
-    return y.reshape(x.shape[0], -1)
+    return y.reshape(x.shape[0], math.prod(y.shape[1:]))  # explicit sizes: -1 is ambiguous at T = 0
 
 
 def contract_left(cores_in: list[Tensor], masks_in_and_mid: list[Tensor] | None) -> Tensor:
@@ -186,16 +188,18 @@ def tt_linear_sequential(x: Tensor, cores: list[Tensor], masks: list[Tensor] | N
 
     x: (T, N_in) -> (T, N_out). Each step contracts one mode and one bond of the running state.
     """
-    T = x.shape[0]
+    T, rem, P = x.shape[0], x.shape[1], 1  # sizes kept explicit: a -1 in a reshape is ambiguous at T = 0
     cores = scale_bonds(cores, masks)  # gates on the (small) cores: nothing extra saved per token
-    s = x.reshape(T, x.shape[1], 1)  # (T, rem, r_0)
+    s = x.reshape(T, rem, 1)  # (T, rem, r_0)
     for c in cores[:d]:  # c: (r, n, r')
-        s = s.reshape(T, c.shape[1], -1, c.shape[0])  # (T, n_k, rem', r)
+        rem //= c.shape[1]
+        s = s.reshape(T, c.shape[1], rem, c.shape[0])  # (T, n_k, rem', r)
         s = torch.einsum("tnqr,rns->tqs", s, c)  # (T, rem', r')
-    s = s.reshape(T, 1, -1)  # (T, P=1, r_d)
+    s = s.reshape(T, P, cores[d - 1].shape[2])  # (T, P=1, r_d)
     for c in cores[d:]:  # c: (r, n, r')
-        s = torch.einsum("tpr,rns->tpns", s, c).reshape(T, -1, c.shape[2])  # (T, P*n, r')
-    return s.reshape(T, -1)  # (T, N_out)
+        P *= c.shape[1]
+        s = torch.einsum("tpr,rns->tpns", s, c).reshape(T, P, c.shape[2])  # (T, P*n, r')
+    return s.reshape(T, P)  # (T, N_out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,14 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
     assert DataConfig(cache_dir=str(tmp_path / "x")).resolved_cache_dir() == tmp_path / "x"
 
 
+@pytest.mark.parametrize("source, split_by", [("stdlib", "auto"), ("stdlib", "file"), ("hf", "auto"),
+                                              ("hf", "document"), ("files", "auto"), ("files", "file"),
+                                              ("files", "document")])
+def test_split_by_that_the_source_honours_is_accepted(source, split_by):
+    extra = {"stdlib": {}, "hf": {"hf_kwargs": {"path": "x"}}, "files": {"files": ["a.txt"]}}[source]
+    assert DataConfig(source=source, split_by=split_by, **extra).split_by == split_by
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"validation_fraction": 0.0}, "data.validation_fraction must be in (0, 1), got 0.0"),
     ({"validation_fraction": 1.5}, "got 1.5"),
@@ -31,6 +39,12 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
     ({"source": "hf"}, "data.hf_kwargs must hold load_dataset arguments"),
     ({"hf_kwargs": {"path": "x"}}, "data.hf_kwargs is only read when data.source is 'hf'"),
     ({"text_column": ""}, "data.text_column"),
+    # split_by a source cannot honour: the stdlib always splits by file, hf by document
+    ({"split_by": "document"}, ("data.split_by='document' is not honoured by data.source='stdlib', which splits "
+                                "by file (a hash of each path under the stdlib root); set data.split_by to 'auto' "
+                                "or 'file'")),
+    ({"source": "hf", "hf_kwargs": {"path": "x"}, "split_by": "file"},
+     "data.split_by='file' is not honoured by data.source='hf', which splits by document"),
 ])
 def test_bad_values_name_field_and_value(kwargs, needle):
     with pytest.raises(ValueError, match=None) as e:

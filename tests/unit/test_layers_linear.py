@@ -68,6 +68,24 @@ def test_auto_order_follows_the_cost_model_and_lr_goes_through_dispatch(monkeypa
     torch.testing.assert_close(y1, y[:1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("gelu_input", [False, True])
+@pytest.mark.parametrize("order", [*ORDERS, "auto"])
+def test_empty_batch_matches_nn_linear_shapes(order, gelu_input):
+    # T = 0 (an empty shard or a fully padded micro-batch): auto picks ``sequential`` there.
+    layer = _layer(in_f=48, out_f=32, num_cores=6, order=order)
+    dense = layer.to_linear()
+    x = torch.randn(0, 48, dtype=torch.float64, requires_grad=True)
+    y = layer(x, gelu_input=gelu_input)
+    want = dense(x)
+    assert y.shape == want.shape == (0, 32) and y.dtype == want.dtype
+    assert layer(torch.randn(2, 0, 48, dtype=torch.float64)).shape == (2, 0, 32)
+    params = list(layer.parameters())
+    got = torch.autograd.grad(y.sum(), [x, *params])
+    assert got[0].shape == (0, 48)
+    for p, g in zip(params, got[1:]):
+        assert g.shape == p.shape and not g.any()  # no tokens, no gradient (bias included)
+
+
 @pytest.mark.parametrize("num_cores", [2, 4, 6])
 def test_from_linear_full_rank_is_exact(num_cores):
     lin = nn.Linear(24, 36, dtype=torch.float64)
@@ -142,6 +160,11 @@ def test_bad_input_names_the_parameter():
             TTLinear(24, 30, **{"num_cores": 4, **kw})
     with pytest.raises(ValueError, match=r"in_features must be an int >= 1, got 0"):
         TTLinear(0, 30)
+    for num_cores in (2, 3):  # in_modes alone: the output side gets num_cores - len(in_modes) cores
+        with pytest.raises(ValueError, match=rf"num_cores={num_cores} leaves no output core after in_modes=\[2, 3, 4\] "
+                                             rf"\(3 cores\): pass num_cores >= 4 or out_modes"):
+            TTLinear(24, 24, in_modes=[2, 3, 4], num_cores=num_cores)
+    assert TTLinear(24, 24, in_modes=[2, 3, 4], num_cores=4).out_modes == [24]
     with pytest.raises(ValueError, match=r"input last dim is 23, TTLinear expects in_features=24"):
         TTLinear(24, 30)(torch.randn(2, 23))
 

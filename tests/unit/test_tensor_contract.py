@@ -88,6 +88,16 @@ def test_tt_paths_match_dense_forward_backward(name, in_modes, out_modes):
     _check_tt_path(name, x, cores, gates, len(in_modes))
 
 
+@pytest.mark.parametrize("name", sorted(TT_PATHS))
+@pytest.mark.parametrize("in_modes, out_modes", [([3], [4]), ([2, 3], [3, 2]), ([2, 1, 2], [1, 3])])
+def test_tt_paths_take_zero_tokens(name, in_modes, out_modes):
+    x, cores, gates = _tt_case(in_modes, out_modes, 3, 0, seed=1)
+    got = TT_PATHS[name](x, cores, _mask(gates), len(in_modes))
+    assert got.shape == (0, math.prod(out_modes))
+    grads = torch.autograd.grad(got.sum(), [x, *cores, *gates])
+    assert grads[0].shape == x.shape and all(not g.any() for g in grads[1:])
+
+
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_tt_paths_random_shapes(data):

@@ -87,6 +87,22 @@ def test_padding_idx_column_is_zero_like_the_table():
     assert torch.all(out[:, 3] == 0)
 
 
+@pytest.mark.parametrize("order", [*ttm_head_orders(3), "auto"])
+def test_autocast_bf16_logits_are_bf16_like_nn_linear(order):
+    # An fp32 bias (the module is not cast under autocast) must not promote the bf16 logits to fp32:
+    # the (T, V) logits are the largest activation of an MLM step.
+    emb = gated_embedding(V=61, N=12, num_cores=3, dtype=torch.float32)
+    head = _with_bias(TiedTTHead(emb, bias=True, order=order))
+    dense = head.to_linear()
+    h = torch.randn(2, 5, 12)
+    want = (h.double() @ emb.table().double().t() + head.bias.double()).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = head(h), dense(h)
+    assert ref.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 61)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("num_cores", [3, 4, 5])  # 4 and 5: halves of 3+ cores, built inward from their rank-1 end
 def test_cost_model_flops_are_the_counted_flops_and_the_choice_is_the_cheapest(num_cores):
     emb = gated_embedding(V=300, N=24, num_cores=num_cores, max_rank=5, dtype=torch.float32)

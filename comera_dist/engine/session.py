@@ -193,7 +193,8 @@ class TrainSession:
         micro-batch after the first then needs no undo: the session back-propagates NaN for the rest
         of the step and lets the optimizer skip it. Elsewhere (ZeRO 0: a plain optimizer, no such
         check; bf16 without the check) a forward-only probe of every micro-batch decides first, which
-        costs one extra forward per micro-batch when accumulating.
+        costs one extra forward per micro-batch when accumulating; at ZeRO 0 the session checks the
+        gradients itself before the update (``checks_gradients``).
         """
         ds = self.cfg.deepspeed
         checked = ds.precision != "bf16" or ds.bf16_overflow_check
@@ -204,6 +205,14 @@ class TrainSession:
         """bf16 at ZeRO 1-2 without DeepSpeed's overflow check: nothing skips a step whose gradients
         alone are non-finite (see ``deepspeed.bf16_overflow_check``)."""
         return self.cfg.deepspeed.zero_stage >= 1 and not self.zero_skips_nonfinite
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether the session checks the gradients before the update itself: ZeRO 0, where DeepSpeed hands
+        them to a plain optimizer that applies whatever it gets (and reports no gradient norm). Without
+        this a NaN gradient under a finite loss would corrupt the weights silently, and every later step
+        would be skipped as a "non-finite loss", hiding the cause."""
+        return self.cfg.deepspeed.zero_stage == 0
 
     def _forward(self, batch: Batch) -> tuple[Tensor, Tensor | None]:
         """The task loss and, where the model's forward gives it (``rank_penalty``: R from the masks the
@@ -234,6 +243,31 @@ class TrainSession:
             losses = [self._forward_loss(b) for b in micro_batches]
         return all(math.isfinite(v) for v in self._global_mean(*losses))
 
+    def _gradients_finite(self) -> bool:
+        """Whether every rank's accumulated gradients are finite: one all-reduce, one host read.
+
+        Each rank folds its gradients into one 0-d norm on the device (a foreach kernel, no read per
+        tensor), non-finite when any entry is (or when the norm overflows, which ZeRO's own check counts
+        as an overflow too). At the boundary DeepSpeed has already averaged the gradients over ranks, so
+        the ranks agree anyway; the all-reduce makes the decision collective by construction.
+        """
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return True
+        norm = torch.nn.utils.get_total_norm(grads)  # 0-d, on the device
+        return math.isfinite(self._global_mean(norm)[0])
+
+    def _discard_gradients(self) -> None:
+        """End the step's accumulation without an update (ZeRO 0): what a ZeRO optimizer does on overflow.
+
+        ``engine.step()`` would apply the gradients, so it is not called at the boundary: the gradients
+        are cleared and DeepSpeed's micro-step count moves on as ``step()`` would move it, so the next
+        step's micro-batches keep their place in the accumulation (its boundary is ``micro_steps + 1``
+        being a multiple of the accumulation). Nothing else moves: no optimizer step, no LR step.
+        """
+        self.engine.zero_grad()
+        self.engine.micro_steps += 1
+
     def size(self) -> int:
         """The model size S (surviving core parameters), identical on every rank."""
         refs = [r.param for r in gate_refs(self.module)]
@@ -261,10 +295,11 @@ class TrainSession:
         lambdas, objective, R and the gradient norm (``_after_step``). Non-finite gradients under finite
         losses are skipped and counted the same way. Elsewhere (ZeRO 0, unchecked bf16) the global loss
         is read before each backward, and a non-finite one skips the step before any backward (or, after
-        the first micro-batch, the finite-probe has ruled it out); ``NonFiniteGradientsApplied`` is raised
-        after an applied step whose gradients were not finite (``bf16_unchecked``). The stage is decided
-        from the step number and the step before's loss (``RankController.begin_step``); a skipped step
-        leaves the rank controller as it found it.
+        the first micro-batch, the finite-probe has ruled it out); at ZeRO 0 the gradients are checked
+        before the update too (``_gradients_finite``: one more read) and non-finite ones skip the step;
+        ``NonFiniteGradientsApplied`` is raised after an applied step whose gradients were not finite
+        (``bf16_unchecked``). The stage is decided from the step number and the step before's loss
+        (``RankController.begin_step``); a skipped step leaves the rank controller as it found it.
         """
         if isinstance(micro_batches, Mapping):
             micro_batches = [micro_batches]
@@ -322,6 +357,11 @@ class TrainSession:
             objectives.append(objective.detach())  # averaged over ranks once, after the step
             if self.engine.is_gradient_accumulation_boundary() and coef is not None:
                 self.penalty.inject(coef, gate_values)
+            if self.checks_gradients and self.engine.is_gradient_accumulation_boundary() \
+                    and not self._gradients_finite():  # a plain optimizer would apply them
+                self._discard_gradients()
+                self.controller.load_state_dict(controller_before)
+                return self._skipped()
             self.engine.step()
         if not self.engine.was_step_applied():  # a non-finite loss or non-finite gradients: DeepSpeed skipped
             self.controller.load_state_dict(controller_before)

@@ -255,7 +255,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
         data.save_tokenizer(Path(cfg.train.output_dir) / "tokenizer")
     metrics = build_metrics(cfg.metrics, rank=info.rank, local_rank=info.local_rank,
                             world_size=info.world_size, total_steps=cfg.train.steps,
-                            output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name)
+                            output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name,
+                            nonfinite_steps_total=guard.total)  # a resume's restored total is no new skip
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:

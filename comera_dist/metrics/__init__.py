@@ -14,7 +14,11 @@ __all__ = ["STANDARD_KEYS", "Metrics", "MetricsConfig", "build_metrics"]
 
 
 def build_metrics(cfg: MetricsConfig, *, rank: int, local_rank: int, world_size: int, total_steps: int,
-                  output_dir: str | Path, run_name: str) -> Metrics:
-    """The run's ``Metrics``; active (exporter, bar, report) on global rank 0, a no-op elsewhere."""
+                  output_dir: str | Path, run_name: str, nonfinite_steps_total: float = 0) -> Metrics:
+    """The run's ``Metrics``; active (exporter, bar, report) on global rank 0, a no-op elsewhere.
+
+    A resumed run passes the ``nonfinite_steps_total`` its checkpoint restored: the exported counter
+    starts there, before the endpoint serves its first scrape (see ``Metrics``).
+    """
     return Metrics(cfg, rank=rank, local_rank=local_rank, world_size=world_size, total_steps=total_steps,
-                   output_dir=output_dir, run_name=run_name)
+                   output_dir=output_dir, run_name=run_name, nonfinite_steps_total=nonfinite_steps_total)

@@ -9,6 +9,7 @@ duplicate samples. Other ranks get a ``Metrics`` whose methods return at once.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -31,10 +32,14 @@ STANDARD_KEYS: tuple[str, ...] = (
 
 
 class Metrics:
-    """Fan-out of ``log``/``log_ranks``/``checkpoint_saved`` to the enabled sinks (rank 0 only)."""
+    """Fan-out of ``log``/``log_ranks``/``checkpoint_saved`` to the enabled sinks (rank 0 only).
+
+    ``nonfinite_steps_total``: the non-finite step total a resumed run restored; the exported counter
+    starts at it (``PrometheusExporter``), so resuming is not mistaken for new non-finite steps.
+    """
 
     def __init__(self, cfg: MetricsConfig, *, rank: int, local_rank: int, world_size: int,
-                 total_steps: int, output_dir: str | Path, run_name: str) -> None:
+                 total_steps: int, output_dir: str | Path, run_name: str, nonfinite_steps_total: float = 0) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"Metrics: rank must be in [0, world_size={world_size}), got rank={rank}")
         if local_rank < 0:
@@ -43,6 +48,10 @@ class Metrics:
             raise ValueError(f"Metrics: total_steps must be >= 0, got {total_steps}")
         if not run_name:
             raise ValueError(f"Metrics: run_name must be non-empty, got {run_name!r}")
+        if isinstance(nonfinite_steps_total, bool) or not isinstance(nonfinite_steps_total, numbers.Real) \
+                or not 0 <= nonfinite_steps_total < math.inf:
+            raise ValueError(f"Metrics: nonfinite_steps_total must be a finite number >= 0 (the restored total), "
+                             f"got {nonfinite_steps_total!r}")
         self.cfg = cfg
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         self.total_steps = total_steps
@@ -58,7 +67,8 @@ class Metrics:
             sd_file = Path(cfg.sd_file) if cfg.sd_file else self.output_dir / "prometheus_targets.json"
             self.exporter = PrometheusExporter(
                 host=cfg.prometheus_host, port=cfg.prometheus_port, sd_file=sd_file, run_name=run_name,
-                world_size=world_size, total_steps=total_steps, rank_label_limit=cfg.rank_label_limit)
+                world_size=world_size, total_steps=total_steps, rank_label_limit=cfg.rank_label_limit,
+                nonfinite_steps_total=float(nonfinite_steps_total))
             if cfg.compression_target is not None:
                 self.exporter.set_gauge("target_compression_ratio", cfg.compression_target)
             log.info("metrics: Prometheus endpoint http://%s/metrics (targets in %s)",

@@ -97,10 +97,16 @@ class _GaugeCollector(Collector):
 
 
 class PrometheusExporter:
-    """A dedicated registry, its HTTP server, and the service-discovery file that points at it."""
+    """A dedicated registry, its HTTP server, and the service-discovery file that points at it.
+
+    ``nonfinite_steps_total``: the total a resumed run restored from its checkpoint. The counter starts
+    there before the server starts, so no scrape ever reads 0 followed by a jump to the restored total
+    at the first logged step: ``increase()`` would count that jump as new non-finite steps and fire
+    ComeraLossNaN after every resume of a run that ever skipped one.
+    """
 
     def __init__(self, *, host: str, port: int, sd_file: Path, run_name: str, world_size: int,
-                 total_steps: int, rank_label_limit: int) -> None:
+                 total_steps: int, rank_label_limit: int, nonfinite_steps_total: float = 0.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._gauges = _GaugeCollector(rank_label_limit)
         self.registry.register(self._gauges)
@@ -108,7 +114,9 @@ class PrometheusExporter:
                                     buckets=STEP_TIME_BUCKETS, registry=self.registry)
         self._nonfinite = Counter("comera_nonfinite_steps", "Steps skipped for a non-finite loss or gradient.",
                                   registry=self.registry)
-        self._nonfinite_seen = 0.0
+        if nonfinite_steps_total > 0:  # the restored baseline, not new steps: set before any scrape
+            self._nonfinite.inc(nonfinite_steps_total)
+        self._nonfinite_seen = float(nonfinite_steps_total)
         self._checkpoints = Counter("comera_checkpoint_saves", "Checkpoint save attempts by outcome.",
                                     ["outcome"], registry=self.registry)
         for outcome in ("success", "failure"):

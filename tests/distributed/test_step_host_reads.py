@@ -11,8 +11,8 @@ A read is anything that brings a tensor's value to the host: ``aten._local_scala
 (which reads CPU memory without dispatching), wrapped. The window opens when the engine's forward is
 entered and closes when its ``step`` is entered at the accumulation boundary. The model runs its GPU
 path (``kernels.dispatch.static_shapes``: its CPU-only id range checks and deduplication read ids). ZeRO 0 reads the global
-loss before each backward (nothing else would skip a non-finite step): its count is the positive control
-that the counter sees the session's reads.
+loss before each backward and the gradients before the update (nothing else would skip a non-finite step):
+its count is the positive control that the counter sees the session's reads.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def test_no_host_read_inside_a_checked_zero_step(tmp_path: Path, zero_stage: int
 
 def test_zero0_reads_the_loss_before_each_backward(tmp_path: Path) -> None:
     """The positive control: a plain optimizer skips nothing itself, so the session reads every global loss
-    (one per micro-batch), the finite-probe's losses (one read per step: its forwards open the window too) and,
-    on the step that switches stage, S."""
+    (one per micro-batch), the finite-probe's losses (one read per step: its forwards open the window too),
+    the gradients' finiteness before the update (one read per step) and, on the step that switches stage, S."""
     results = run_ranks(_count_reads, tmp_path / "work", str(tmp_path / "run"), 0, "fp32")
     for r in results:
         assert not r["zero_skips"] and r["stages"] == ["early", "late", "late"], r
-        assert len(r["reads"]) == STEPS * ACCUM + STEPS + 1, r["reads"]
+        assert len(r["reads"]) == STEPS * ACCUM + 2 * STEPS + 1, r["reads"]
         assert all("session.py" in x for x in r["reads"]), r["reads"]
 
 

@@ -11,15 +11,21 @@ Layout under ``<output_dir>/checkpoints``::
     latest                   the tag of the newest complete, verified checkpoint (DeepSpeed's format)
 
 All ranks call ``engine.save_checkpoint`` under a temporary tag ``.tmp-<tag>``; after a
-barrier, rank 0 adds the side files, the ranks hash a share of the files each, rank 0 writes
-the manifest and renames the directory to its final tag; then the ranks re-verify the
-published files against the manifest, and only a verified checkpoint moves ``latest`` and lets
-retention delete older ones. A crash at any point leaves ``latest`` on the previous complete
-checkpoint; leftovers of temporary tags are ignored by ``resume auto`` and removed by the next save.
-Re-saving the step ``latest`` names (a job stopped right after its resume) moves the old copy aside,
-renames the new one in, then deletes the old: a crash between the two renames leaves ``latest`` naming
-no directory beside a complete ``.tmp-<tag>``, and ``resume auto`` publishes that one
-(``finish_interrupted``).
+barrier, rank 0 adds the side files, the ranks hash (and fsync) a share of the files each, rank 0
+fsyncs the directory, writes the manifest and renames the directory to its final tag; then the
+ranks re-verify the published files against the manifest, and only a verified checkpoint moves
+``latest`` and lets retention delete older ones. A crash at any point leaves ``latest`` on the
+previous complete checkpoint; leftovers of temporary tags are ignored by ``resume auto`` and
+removed by the next save.
+
+Re-saving the step ``latest`` names (a job stopped right after its resume) moves the old copy aside
+to ``.tmp-replaced-<tag>`` and renames the new one in; the old copy is deleted only once the new one
+verified. If the read-back fails, the new copy goes to ``.tmp-failed-<tag>`` and the old one comes
+back, so ``latest`` still names a good checkpoint. A crash between two of these renames leaves
+``latest`` naming no directory: ``resume auto`` publishes the complete ``.tmp-<tag>`` (the new copy)
+or else ``.tmp-replaced-<tag>`` (``finish_interrupted``). A crash after the failed read-back, before
+the failed copy moved aside, leaves it in place beside the old copy: ``resume auto`` tries the old copy
+right after it and puts it back (``choose``).
 
 Resume (``choose``): every rank verifies the files it will read (all of them: DeepSpeed reads
 every ZeRO shard on every rank) before anything unpickles a byte, and the verdicts are
@@ -77,12 +83,14 @@ def step_of(path: Path) -> int:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all, durably: the file, then its directory entry (fsync)."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -105,6 +113,29 @@ def _my_share(names: list[str]) -> list[str]:
     return names[rank::world]
 
 
+def _replaced(root: Path, tag: str) -> Path:
+    """Where a re-save keeps the copy of ``tag`` it replaces until the new one verified."""
+    return root / f"{TMP_PREFIX}replaced-{tag}"
+
+
+def _failed(root: Path, tag: str) -> Path:
+    """Where a re-save moves its new copy of ``tag`` when the read-back fails (swept by the next save)."""
+    return root / f"{TMP_PREFIX}failed-{tag}"
+
+
+def _put_back(root: Path, tag: str) -> None:
+    """The copy of ``tag`` a re-save replaced back in place; the copy there (if any) moves to ``_failed``.
+
+    Each rename is atomic, and a crash between them leaves ``latest`` naming no directory beside a
+    complete ``_replaced`` copy, which ``finish_interrupted`` publishes."""
+    final, failed = root / tag, _failed(root, tag)
+    if final.exists():
+        shutil.rmtree(failed, ignore_errors=True)
+        os.rename(final, failed)
+    os.rename(_replaced(root, tag), final)
+    _fsync_dir(root)
+
+
 def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: dict[str, Any],
          resolved_config: dict[str, Any], keep: int, keep_every: int = 0, full_state: dict[str, Any] | None = None,
          retain: bool = True, before_publish=None) -> Path:
@@ -114,7 +145,7 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
     elastic resume loads. ``retain=False`` publishes without deleting any older checkpoint.
     ``before_publish`` (tests): called on rank 0 after every file is written, before the manifest.
     Raises ``CheckpointError`` if the published files do not match their manifest (``latest`` and
-    older checkpoints are then left as they were).
+    older checkpoints are then left as they were; a re-saved step's old copy is back in place).
     """
     root = Path(root)
     tag = tag_for(step)
@@ -122,7 +153,9 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a crashed earlier attempt
+        # What a crashed earlier attempt left (``resume auto`` already published or put back what it could).
+        for stale in (tmp_dir, _replaced(root, tag)):
+            shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tmp_dir.name, client_state=client_state, save_latest=False)
     if rank == 0:
@@ -133,28 +166,35 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
     dist.barrier()  # every rank's shards and the side files are on disk
     names = manifest.checkpoint_files(tmp_dir)  # the same list on every rank (shared file system)
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, manifest.describe(tmp_dir, _my_share(names)))
+    dist.all_gather_object(parts, manifest.describe(tmp_dir, _my_share(names), sync=True))  # each file fsynced
+    replaced = _replaced(root, tag)
     if rank == 0:
         if before_publish is not None:
             before_publish(tmp_dir)
         files = {k: v for part in parts for k, v in part.items()}
+        for folder in sorted({(tmp_dir / n).parent for n in names} | {tmp_dir}):
+            _fsync_dir(folder)  # the files' names too, before the manifest vouches for them
         _write_atomic(tmp_dir / MARKER, manifest.render(tag, files))
-        replaced = root / f"{TMP_PREFIX}replaced-{tag}"
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it, never delete it first
-            shutil.rmtree(replaced, ignore_errors=True)
+        if final.exists():  # re-saving a step (e.g. after a resume): keep the old copy until the new verified
             os.rename(final, replaced)
         os.rename(tmp_dir, final)
         _fsync_dir(root)
-        shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
+    resaved = replaced.is_dir()  # rank 0 moved an old copy aside (shared file system, as for `names`)
     # Read the published files back against the manifest before anything older may go.
     problems = _agree(manifest.verify(final, manifest.read(final), _my_share(names)))
     if problems:
-        raise CheckpointError(f"checkpoint {final} does not match its manifest after saving; `latest` and older "
-                              "checkpoints are kept:\n  " + "\n  ".join(problems))
+        if rank == 0 and resaved:
+            _put_back(root, tag)
+        dist.barrier()  # no rank raises before the old copy is back
+        kept = (f"the copy it replaced is back in place (`latest` names it), the failed one is in "
+                f"{_failed(root, tag).name}; older checkpoints are kept" if resaved
+                else "`latest` and older checkpoints are kept")
+        raise CheckpointError(f"checkpoint {final} does not match its manifest after saving; {kept}:\n  "
+                              + "\n  ".join(problems))
     if rank == 0:
         _write_atomic(root / LATEST, tag)
-        _fsync_dir(root)
+        shutil.rmtree(replaced, ignore_errors=True)
         if retain:
             remove_old(root, keep, keep_every)
     dist.barrier()
@@ -202,17 +242,23 @@ def latest_complete(root: Path) -> Path | None:
 
 
 def finish_interrupted(root: Path) -> Path | None:
-    """Publish the checkpoint a crash left between ``save``'s two renames of a re-saved step: ``latest`` names a
-    tag with no directory while ``.tmp-<tag>`` holds its manifest marker (written once every file was on disk
-    and described). Returns the published directory, None when there is nothing to finish.
+    """Publish the checkpoint a crash left between two renames of a re-saved step: ``latest`` names a tag with
+    no directory while ``.tmp-<tag>`` holds its manifest marker (written once every file was on disk and
+    described), or else ``.tmp-replaced-<tag>`` holds the complete copy the re-save replaced (a crash while
+    ``save`` put it back after a failed read-back). Returns the published directory, None when there is
+    nothing to finish.
 
     Safe on every rank at once: the rename is atomic, and a rank that loses the race finds the directory in
     place. The files are verified like any other candidate's before a resume reads them."""
     pointer = root / LATEST
     tag = pointer.read_text().strip() if pointer.is_file() else ""
-    final, pending = root / tag, root / (TMP_PREFIX + tag)
-    if not _TAG.match(tag) or final.exists() or not (pending / MARKER).is_file():
+    if not _TAG.match(tag) or (root / tag).exists():
         return None
+    final, pending = root / tag, root / (TMP_PREFIX + tag)
+    if not (pending / MARKER).is_file():
+        pending = _replaced(root, tag)
+        if not is_complete(pending):
+            return None
     try:
         os.rename(pending, final)
     except OSError as e:  # another rank published it first, or the directory is read-only
@@ -226,8 +272,9 @@ def finish_interrupted(root: Path) -> Path | None:
 
 
 def candidates_auto(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads); first
-    publishes one that a crash left half-renamed (``finish_interrupted``)."""
+    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads, followed by
+    the copy of it a re-save replaced, if a crash left one); first publishes one that a crash left
+    half-renamed (``finish_interrupted``)."""
     root = Path(root)
     finish_interrupted(root)
     done = complete_checkpoints(root)[::-1]
@@ -236,7 +283,8 @@ def candidates_auto(root: Path) -> list[Path]:
         named = root / pointer.read_text().strip()
         if named in done:
             done.remove(named)
-            done.insert(0, named)
+            replaced = _replaced(root, named.name)
+            done[:0] = [named, replaced] if is_complete(replaced) else [named]
     return done
 
 
@@ -277,7 +325,7 @@ def choose(spec: str, root: Path) -> Path | None:
         for candidate in tried:
             problems = _agree(check(candidate))
             if not problems:
-                return candidate
+                return candidate if _TAG.match(candidate.name) else _reinstate(candidate)
             if dist.get_rank() == 0:
                 log.warning("resume auto: skipping checkpoint %s, it does not verify:\n  %s", candidate,
                             "\n  ".join(problems))
@@ -293,6 +341,19 @@ def choose(spec: str, root: Path) -> Path | None:
     if not (path / META).is_file():
         raise CheckpointError(f"resume: {path} is not a complete checkpoint (no {META})")
     return path
+
+
+def _reinstate(replaced: Path) -> Path:
+    """Put a verified copy a re-save replaced back in place of the one that failed (collective); its final path.
+
+    A crash after a re-save's read-back failed, before ``save`` put the old copy back, leaves it here."""
+    tag = replaced.name.removeprefix(f"{TMP_PREFIX}replaced-")
+    if dist.get_rank() == 0:
+        log.warning("resume auto: %s fails verification; putting back the copy a re-save replaced (%s)",
+                    replaced.parent / tag, replaced.name)
+        _put_back(replaced.parent, tag)
+    dist.barrier()
+    return replaced.parent / tag
 
 
 def resolve(spec: str, root: Path) -> Path | None:

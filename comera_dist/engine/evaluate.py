@@ -75,7 +75,7 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
         files = sorted(path.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise InputError(f"checkpoint {path}: no mp_rank_*_model_states.pt")
-        # Our own checkpoint files (DeepSpeed stores non-tensor objects beside the weights).
+        # DeepSpeed stores non-tensor objects beside the weights; load_run gated them (verify_weights_only).
         return {k: v.float() for k, v in torch.load(files[0], map_location="cpu", weights_only=False)["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -107,12 +107,18 @@ def load_run(spec: str | Path) -> LoadedRun:
     The checkpoint's files are verified against its manifest first (sizes and digests, as a resume
     does): a corrupted or truncated file is an ``InputError`` naming it, never a silently wrong
     evaluation or export. A run directory whose newest checkpoint is damaged is an error too (no
-    quiet fallback to an older one): pass that older checkpoint's directory explicitly.
+    quiet fallback to an older one): pass that older checkpoint's directory explicitly. The manifest
+    detects corruption, not tampering, and the weights are read with ``weights_only=False`` (ours at
+    ZeRO 0, DeepSpeed's ``zero_to_fp32`` above): every shard passes ``ckpt.verify_weights_only`` first.
     """
     path = locate(spec)
     problems = ckpt.check(path)
     if problems:
         raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems))
+    try:
+        ckpt.verify_weights_only(path)
+    except ckpt.CheckpointError as e:  # the message names the shard
+        raise InputError(f"checkpoint {path} is refused: {e}") from e
     cfg, meta = _read(path)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_run_model(cfg), plans)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ LEGACY = "legacy"
 _CHUNK = 1 << 20
 
 
-def digest(path: Path, algorithm: str = ALGORITHM) -> str:
-    """Hex digest of the file at ``path``, read in 1 MiB chunks."""
+def digest(path: Path, algorithm: str = ALGORITHM, *, sync: bool = False) -> str:
+    """Hex digest of the file at ``path``, read in 1 MiB chunks; ``sync`` also flushes it to disk (fsync)."""
     if algorithm == "xxh3_128":
         if xxhash is None:
             raise ValueError(f"{path}: the manifest uses xxh3_128; install xxhash to verify it")
@@ -48,6 +49,8 @@ def digest(path: Path, algorithm: str = ALGORITHM) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+        if sync:  # fsync flushes the file's dirty pages whichever descriptor asks, a read-only one too
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 
@@ -58,9 +61,16 @@ def checkpoint_files(ckpt_dir: Path) -> list[str]:
                   if p.is_file() and p.name != MARKER)
 
 
-def describe(ckpt_dir: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"size", "digest"}}`` for ``names`` (relative to ``ckpt_dir``), read from disk."""
-    return {n: {"size": (Path(ckpt_dir) / n).stat().st_size, "digest": digest(Path(ckpt_dir) / n)} for n in names}
+def describe(ckpt_dir: Path, names: Iterable[str], *, sync: bool = False) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "digest"}}`` for ``names`` (relative to ``ckpt_dir``), read from disk.
+
+    ``sync`` (a save) also fsyncs each file while it is open for hashing: a manifest must never vouch
+    for bytes still only in the page cache, or a power loss could leave ``latest`` naming a checkpoint
+    whose shards never reached the disk after retention removed the older one. One fsync per file,
+    on the rank that hashes it.
+    """
+    return {n: {"size": (Path(ckpt_dir) / n).stat().st_size, "digest": digest(Path(ckpt_dir) / n, sync=sync)}
+            for n in names}
 
 
 def render(tag: str, files: dict[str, dict[str, Any]]) -> str:

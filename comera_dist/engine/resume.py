@@ -3,8 +3,8 @@
 ``save`` adds to DeepSpeed's checkpoint the CoMERA state (step, controller, pruning plans, every
 rank's RNG and loader position) and a consolidated full state for elastic resume, and refuses to
 publish a non-finite state. ``resume`` verifies the checkpoint, rebuilds the model at its pruned
-shapes, and loads it through DeepSpeed or, across world sizes, ZeRO stages and parameter layouts,
-through the consolidated state (``engine/elastic.py``). ``TrainSession.save``/``resume`` call these.
+shapes, and loads it through DeepSpeed or, across world sizes, ZeRO stages, precisions and parameter
+layouts, through the consolidated state (``engine/elastic.py``). ``TrainSession.save``/``resume`` call these.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
                     "rng": rng, "world_size": session.world_size}
     meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
-            "param_layout": ckpt.PARAM_LAYOUT, "packing": packed_roles(session.module),
-            "packing_layout": packing_layout(session.module)}
+            "precision": session.cfg.deepspeed.precision, "param_layout": ckpt.PARAM_LAYOUT,
+            "packing": packed_roles(session.module), "packing_layout": packing_layout(session.module)}
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size
@@ -89,10 +89,10 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
     Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
     the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
-    shapes. A checkpoint of another world size, ZeRO stage or packing (``engine.packing``) is
-    loaded from its consolidated state (``engine/elastic.py``), and so is one written before each
-    layer's gates and cores became one parameter each (``param_layout`` 1 or 2), converted by
-    ``elastic.upgrade_layout``. Collective.
+    shapes. A checkpoint of another world size, ZeRO stage, precision (DeepSpeed names its optimizer
+    shards by precision) or packing (``engine.packing``) is loaded from its consolidated state
+    (``engine/elastic.py``), and so is one written before each layer's gates and cores became one
+    parameter each (``param_layout`` 1 or 2), converted by ``elastic.upgrade_layout``. Collective.
     """
     path = ckpt.choose(spec, session.checkpoint_root)
     if path is None:
@@ -100,15 +100,20 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     meta = ckpt.read_meta(path)
     ckpt.check_compatible(meta, identity(session.cfg), path)
     plans = [PruningPlan.from_json(text) for text in meta["plans"]]
-    rank, stage = dist.get_rank(), session.cfg.deepspeed.zero_stage
+    rank, stage, precision = dist.get_rank(), session.cfg.deepspeed.zero_stage, session.cfg.deepspeed.precision
     legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load
     # DeepSpeed's shards hold flat parameters for the roles the writing engine packed (engine.packing)
     saved_packing, packing = _saved_packing(meta), (packed_roles(session.module), packing_layout(session.module))
     repacked = saved_packing != packing
-    if legacy or repacked or meta["world_size"] != session.world_size or meta.get("zero_stage", stage) != stage:
+    # Unrecorded (older checkpoints): assume ours; DeepSpeed's loader then names a missing shard (_load_shards).
+    saved_precision = meta.get("precision", precision)
+    if (legacy or repacked or saved_precision != precision or meta["world_size"] != session.world_size
+            or meta.get("zero_stage", stage) != stage):
         if rank == 0:
             why = (f"parameter layout {meta.get('param_layout', 1)} -> {ckpt.PARAM_LAYOUT} (one core and one gate "
                    f"parameter per layer)" if legacy else elastic.describe_move(meta, session.world_size, stage))
+            if saved_precision != precision:
+                why += f", precision {saved_precision} -> {precision}"
             if repacked:
                 why += (f", packed roles {saved_packing[0] or 'none'} (layout {saved_packing[1]}) -> "
                         f"{packing[0] or 'none'} (layout {packing[1]})")
@@ -130,9 +135,7 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
             session._replace_engine(model_at_shapes(session.factory, plans))
             session.plans = plans
         ckpt.verify_weights_only(path)
-        loaded, client = session.engine.load_checkpoint(str(path.parent), tag=path.name)
-        if loaded is None:
-            raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+        client = _load_shards(session, path, "precision" in meta)
         sched = session.engine.lr_scheduler
         if sched is not None and hasattr(sched, "last_batch_iteration"):
             sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
@@ -142,6 +145,27 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
     return dict(elastic.rank_entry(client["clients"], rank), step=state["step"])
+
+
+def _load_shards(session: TrainSession, path: Path, precision_known: bool) -> dict[str, Any]:
+    """DeepSpeed's ``load_checkpoint`` of ``path`` into the session's engine (returns the client state); a
+    ``CheckpointError`` naming the file when it cannot. A missing shard of a checkpoint that predates the
+    recorded ``precision`` most likely means the other precision wrote it (DeepSpeed names the optimizer
+    shards ``bf16_zero_pp_rank_*`` under bf16 and ``zero_pp_rank_*`` under fp32): the error says so and
+    what to do."""
+    try:
+        loaded, client = session.engine.load_checkpoint(str(path.parent), tag=path.name)
+    except FileNotFoundError as e:
+        precision = session.cfg.deepspeed.precision
+        why = ("" if precision_known else
+               f"; the checkpoint predates recording its precision, so it was probably written at another "
+               f"deepspeed.precision than this run's {precision!r}: resume with deepspeed.precision set to the one "
+               "that wrote it")
+        raise ckpt.CheckpointError(f"resume: {e.filename} is missing, DeepSpeed cannot load checkpoint {path}"
+                                   f"{why}") from e
+    if loaded is None:
+        raise ckpt.CheckpointError(f"DeepSpeed could not load checkpoint {path}")
+    return client
 
 
 def rng_state() -> dict[str, Any]:

@@ -58,3 +58,46 @@ def test_a_bad_restored_total_names_the_value(tmp_path, bad):
     with pytest.raises(ValueError, match=r"nonfinite_steps_total must be a finite number >= 0 \(the restored total\)"):
         Metrics(MetricsConfig(prometheus=False, progress=False, report=False), rank=0, local_rank=0, world_size=1,
                 total_steps=1, output_dir=tmp_path, run_name="x", nonfinite_steps_total=bad)
+
+
+@pytest.mark.slow
+def test_a_resumed_comera_pretrain_is_first_scraped_at_its_restored_total(tmp_path):
+    """The trainer hands the restored total to the exporter (a real ``comera pretrain``, resumed): the first
+    scrape, which the run waits for before its first step (``metrics.first_scrape_timeout_s``), reads it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COMERA_CACHE=str(tmp_path / "cache"))
+    run = ["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={tmp_path / 'run'}",
+           "--set", "comera.pruning.every=0", "--set", "train.checkpoint_every=4"]
+    first = subprocess.run([sys.executable, "-m", "comera_dist.cli", *run, "--set", "train.steps=4",
+                            "--set", "metrics.prometheus=false"], check=False, cwd=repo, capture_output=True,
+                           text=True,
+                           env={**env, "COMERA_FAULT_NONFINITE_STEPS": "2,3"}, timeout=300)
+    assert first.returncode == 0 and "(2 in a row, 2 in total)" in first.stderr, first.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    resumed = subprocess.Popen([sys.executable, "-m", "comera_dist.cli", *run, "--set", "train.steps=6",
+                                "--set", f"metrics.prometheus_port={port}", "--set", "metrics.first_scrape_timeout_s=50"],
+                               cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, text = time.monotonic() + 120, None
+        while text is None and time.monotonic() < deadline and resumed.poll() is None:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+        assert text is not None, resumed.stderr.read()[-3000:] if resumed.poll() is not None else "no endpoint"
+        (value,) = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == COUNTER]
+        assert value == 2
+    finally:
+        log = resumed.communicate(timeout=300)[1]
+    assert resumed.returncode == 0 and "resumed at step 4" in log, log[-3000:]

@@ -69,7 +69,8 @@ class NonFiniteInjector:
         if self.armed and isinstance(output, dict) and output.get("loss") is not None:
             output = dict(output)
             if self.kind == "grad":
-                output["loss"].register_hook(lambda g: g * float("nan"))  # the value stays finite
+                if output["loss"].requires_grad:  # a no-grad forward (the session's finite-loss probe) has none
+                    output["loss"].register_hook(lambda g: g * float("nan"))  # the value stays finite
             else:
                 output["loss"] = output["loss"] * float("nan")
         return output

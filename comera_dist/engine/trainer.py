@@ -323,6 +323,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
         status = EXIT_COLLAPSED
     finally:
         metrics.close()  # the report; a stop signal meanwhile only sets the flag
+        data.train.close()  # the prefetch thread, which an in-process caller (bench soak) would keep
     # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which
     # would kill rank 0 in the middle of writing the report.
     tdist.barrier()

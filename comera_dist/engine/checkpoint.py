@@ -235,9 +235,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def latest_complete(root: Path) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the newest complete one, else None."""
-    done = candidates_auto(root)
+def latest_complete(root: Path, *, finish: bool = True) -> Path | None:
+    """The checkpoint ``latest`` names if it is complete, else the newest complete one, else None.
+
+    ``finish=False`` only reads: a reader outside the job (``comera evaluate`` on a live run) must not
+    publish a half-renamed re-save, which would race the job's own rename and crash its save."""
+    done = candidates_auto(root, finish=finish)
     return done[0] if done else None
 
 
@@ -271,12 +274,13 @@ def finish_interrupted(root: Path) -> Path | None:
     return final
 
 
-def candidates_auto(root: Path) -> list[Path]:
+def candidates_auto(root: Path, *, finish: bool = True) -> list[Path]:
     """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads, followed by
     the copy of it a re-save replaced, if a crash left one); first publishes one that a crash left
-    half-renamed (``finish_interrupted``)."""
+    half-renamed (``finish_interrupted``), unless ``finish=False``."""
     root = Path(root)
-    finish_interrupted(root)
+    if finish:
+        finish_interrupted(root)
     done = complete_checkpoints(root)[::-1]
     pointer = root / LATEST
     if pointer.is_file():

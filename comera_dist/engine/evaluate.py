@@ -62,7 +62,7 @@ def locate(spec: str | Path) -> Path:
     for candidate in (path, path / "checkpoints"):
         if ckpt.is_complete(candidate):
             return candidate
-        found = ckpt.latest_complete(candidate)
+        found = ckpt.latest_complete(candidate, finish=False)  # read only: the run may be live
         if found is not None:
             return found
     raise InputError(f"--checkpoint {path}: no complete checkpoint there (expected a run directory, its "

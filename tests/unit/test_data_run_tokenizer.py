@@ -37,7 +37,7 @@ def test_the_files_sent_to_other_ranks_make_the_same_tokenizer(tokenizers):
 
 
 def test_blocks_are_packed_with_the_given_tokenizer_and_cached_by_its_digest(tmp_path, tokenizers):
-    tok, other = tokenizers
+    _, other = tokenizers
     own = prepare_data(_cfg(tmp_path), show_progress=False)
     given = prepare_data(_cfg(tmp_path), show_progress=False, tokenizer=other)
     assert given.tokenizer is other and given.cache_path != own.cache_path

@@ -239,10 +239,10 @@ def _kernel_time_row(c: Contender, batch: dict[str, Tensor], row: dict[str, Any]
     """``kernel_time`` of one step of ``c``, also as the row's ``device_ms``; or why it could not. Stepped,
     never replayed (a replay hides its kernels from the profiler), before ``measure`` warms up: a graph
     mode's row gets the kernels its graph captures (the eager step's, or the compiled loss's)."""
-    c.train_step(batch)  # a compiled step's first call compiles
     try:
+        c.train_step(batch)  # a compiled step's first call compiles (and a failed compile raises here)
         k = kernel_time(lambda: c.train_step(batch), batch["input_ids"].device)
-    except RuntimeError as e:  # recorded, not fatal to the timings
+    except RuntimeError as e:  # recorded, not fatal to the timings (measure records the row's own failure)
         return {"error": str(e)[:200]}
     row["device_ms"] = k["device_ms"]
     return k

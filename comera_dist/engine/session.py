@@ -240,7 +240,9 @@ class TrainSession:
         """
         devices = [self.device] if self.device.type != "cpu" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type), torch.no_grad():
-            losses = [self._forward_loss(b) for b in micro_batches]
+            # each loss copied as it comes: under CUDA-graph trees (train.compile_mode=reduce-overhead) a no-grad
+            # replay frees the previous replay's outputs, so the first loss would be gone by the second forward
+            losses = [self._forward_loss(b).detach().clone() for b in micro_batches]
         return all(math.isfinite(v) for v in self._global_mean(*losses))
 
     def _gradients_finite(self) -> bool:

@@ -45,6 +45,9 @@ class TrainConfig:
     """Optimizer steps between metric logs (>= 1)."""
     process_group_timeout_s: float = 60.0
     """Collective timeout: a dead peer fails the job after this long instead of hanging (> 0)."""
+    data_build_timeout_s: float = 3600.0
+    """How long the other ranks wait while each node's first rank builds the data (corpus, tokenizer, packed
+    blocks) and rank 0 prepares the run's tokenizer: a first build of a large corpus takes minutes (> 0)."""
     compile: bool = False
     """Wrap the model forward in ``torch.compile`` (re-traced after a prune; static shapes). ZeRO 0-2
     only: ZeRO-3's per-module gathering hooks break the graph (``config.check_cross_sections``)."""
@@ -65,8 +68,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value < low:
                 raise ValueError(f"train.{name} must be >= {low}, got {value}")
-        if not self.process_group_timeout_s > 0:
-            raise ValueError(f"train.process_group_timeout_s must be > 0, got {self.process_group_timeout_s}")
+        for name in ("process_group_timeout_s", "data_build_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"train.{name} must be > 0, got {getattr(self, name)}")
         if not self.output_dir:
             raise ValueError("train.output_dir must be a non-empty path, got ''")
         if not self.resume:

@@ -11,10 +11,11 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import deepspeed.comm as dist
+import torch.distributed as tdist
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
@@ -84,8 +85,24 @@ class RunData:
         save_run_tokenizer(self.prepared.tokenizer, Path(path))
 
 
-def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None) -> PreTrainedTokenizerBase:
-    """The run's tokenizer, global rank 0's on every rank (collective).
+@contextlib.contextmanager
+def build_group(info: DistInfo, timeout_s: float) -> Iterator[Any]:
+    """A gloo group of every rank whose collectives wait ``timeout_s`` (``train.data_build_timeout_s``): the ranks
+    wait in it while the data is built. A first build of a large corpus takes longer than the job's
+    collective timeout (``train.process_group_timeout_s``), which would fail the waiting ranks. None (the
+    default group) in a one-rank job. Collective."""
+    if info.world_size == 1:
+        yield None
+        return
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        yield group
+    finally:
+        tdist.destroy_process_group(group)
+
+
+def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group: Any = None) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, global rank 0's on every rank (collective in ``group``).
 
     Rank 0 loads ``given`` (the tokenizer beside the checkpoint a resume continues from) or prepares the
     configured one (cached, or trained on its node's corpus), and sends its files to the other ranks,
@@ -102,11 +119,11 @@ def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None) -> PreTra
             tok = load_tokenizer(given) if given is not None else prepare_tokenizer(cfg, show_progress=show)
             box[0] = tokenizer_files(tok)
         finally:  # also on failure: the others must not wait for a tokenizer that is not coming
-            dist.barrier()
-            dist.broadcast_object_list(box, src=0)
+            tdist.barrier(group=group)
+            tdist.broadcast_object_list(box, src=0, group=group)
         return tok
-    dist.barrier()
-    dist.broadcast_object_list(box, src=0)
+    tdist.barrier(group=group)
+    tdist.broadcast_object_list(box, src=0, group=group)
     if box[0] is None:
         raise DataError("rank 0 could not prepare the run's tokenizer (its log says why)")
     return tokenizer_from_files(box[0])
@@ -139,10 +156,11 @@ def build_run_data(cfg: RunConfig, info: DistInfo, *, tokenizer_dir: Path | None
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)  # before any build
         # Bars on rank 0's terminal only: in a log file (Slurm) each redraw is a '\r'-joined fragment, and the
         # pipeline logs each artefact it builds.
-        tokenizer = run_tokenizer(cfg.data, info, tokenizer_dir)
-        prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
-                                show_progress=info.rank == 0 and sys.stderr.isatty(), barrier=dist.barrier,
-                                tokenizer=tokenizer)
+        with build_group(info, cfg.train.data_build_timeout_s) as group:
+            tokenizer = run_tokenizer(cfg.data, info, tokenizer_dir, group=group)
+            prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
+                                    show_progress=info.rank == 0 and sys.stderr.isatty(),
+                                    barrier=lambda: tdist.barrier(group=group), tokenizer=tokenizer)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)
         # Collation on a prefetch thread; pinned batches on CUDA, so the engine's copy is asynchronous.
         loader = PackedLoader(prepared.train, batch_size=sizes.micro_batch, rank=info.rank,

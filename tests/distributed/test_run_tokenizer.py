@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_helpers import run_ranks
 
 from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
 
@@ -85,3 +86,31 @@ def test_a_resume_with_another_tokenizer_is_refused(tmp_path):
     log = again.communicate(timeout=400)[0]
     assert again.returncode == 2, log[-3000:]
     assert "resume: the checkpoint was trained with another tokenizer" in log, log[-3000:]
+
+
+def _slow_build(rank: int, world_size: int, out: str, cache: str) -> dict:
+    """``build_run_data`` with rank 0's tokenizer taking 3x the job's collective timeout (a large corpus's
+    first build, sped up): the other rank waits in the build group (``train.data_build_timeout_s``)."""
+    import time
+
+    from comera_dist.config import load_run_config
+    from comera_dist.engine import run_data
+    from comera_dist.engine.distributed import init_distributed
+
+    cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [f"train.output_dir={out}", f"data.cache_dir={cache}",
+                                                           "train.process_group_timeout_s=2"])
+    prepare = run_data.prepare_tokenizer
+
+    def slow(*args, **kwargs):
+        time.sleep(6)
+        return prepare(*args, **kwargs)
+
+    run_data.prepare_tokenizer = slow
+    info = init_distributed(cfg.train.process_group_timeout_s)
+    data = run_data.build_run_data(cfg, info)
+    return {"digest": data.tokenizer_digest, "first": list(data.prepared.train["input_ids"][0][:8])}
+
+
+def test_the_other_ranks_wait_for_a_data_build_longer_than_the_collective_timeout(tmp_path):
+    results = run_ranks(_slow_build, tmp_path / "w", str(tmp_path / "run"), str(tmp_path / "cache"))
+    assert results[0] == results[1], results

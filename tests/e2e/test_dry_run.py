@@ -90,6 +90,8 @@ def test_help_explains_every_option(args, capsys):
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.steps=many"], "train.steps"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "data.seq_len=4096"], "data.seq_len=4096"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.data_build_timeout_s=0"],
+     "train.data_build_timeout_s must be > 0, got 0"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "comera.tensorize.modes.attention=[[4,4],[4,4]]"],
      "comera.tensorize.modes.attention"),
     (["--config", "configs/tiny-cpu.yaml", "--world-size", "3", "--set", "deepspeed.train_batch_size=8"],

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shlex
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -232,9 +231,8 @@ def main(argv: list[str]) -> int:
     }
     if heldout is not None:
         metrics["heldout_loss_ratio_comera_over_dense"] = runs["comera"]["heldout_loss"] / runs["dense"]["heldout_loss"]
-    config = {"bench_command": "python -m comera_dist.bench codebert " + shlex.join(argv), "config": str(args.config),
-              "overrides": args.overrides, "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.hidden_size,
-              "tie_word_embeddings": model_cfg.tie_word_embeddings,
+    config = {"config": str(args.config), "overrides": args.overrides, "vocab_size": model_cfg.vocab_size,
+              "hidden_size": model_cfg.hidden_size, "tie_word_embeddings": model_cfg.tie_word_embeddings,
               "heldout": [str(h) for h in args.heldout], "heldout_blocks": None if heldout is None else len(heldout),
               "heldout_batches": args.heldout_batches, "steps": steps, "batch_size": batch_size, "seq_len": data_cfg.seq_len,
               "smoke": args.smoke, "dense_lrs": dense_lrs, "dense_lr": runs["dense"]["lr"],
@@ -246,5 +244,5 @@ def main(argv: list[str]) -> int:
               "target": {"compression_ratio": args.target_ratio, "val_loss_ratio_comera_over_dense": 1.03,
                          "epoch_speedup_vs_dense": 3.0},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "codebert", metrics, rows, config)
+    write_result(args.json, "codebert", metrics, rows, config, argv=argv)
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import time
 from collections.abc import Callable
@@ -13,6 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+"""cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's default)."""
+CUBLASLT_ENV = ("DISABLE_ADDMM_CUDA_LT", "TORCH_BLAS_PREFER_CUBLASLT")
+"""torch's switches for cuBLASLt: ``addmm`` with a bias (``F.linear``'s, the TT layers' output GEMM) goes to
+cuBLASLt's bias epilogue unless the first is 1; the second prefers cuBLASLt for plain products."""
+COMMAND_ENV = ("OMP_NUM_THREADS", "COMERA_KERNELS", "COMERA_RANK_ALIGN", "COMERA_FFN_ROWS", "COMERA_COMPILE_BACKEND",
+               "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF", *CUBLAS_WORKSPACE_ENV, *CUBLASLT_ENV)
+"""Environment variables that change what a benchmark runs or measures (threads, kernel backend, CoMERA's rank
+padding and fused FFN, the compile backend, the allocator, cuBLAS): ``bench_command`` carries the ones set."""
 
 
 def base_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -87,10 +98,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
+def bench_command(name: str, argv: list[str]) -> str:
+    """The command line that reruns benchmark ``name`` with ``argv``: ``python -m comera_dist.bench name argv``,
+    after the ``COMMAND_ENV`` variables set in this process (``COMERA_RANK_ALIGN=1 python -m ...``)."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in COMMAND_ENV if k in os.environ]
+    return " ".join([*env, shlex.join(["python", "-m", "comera_dist.bench", name, *argv])])
+
+
 def write_result(path: Path | None, name: str, metrics: dict[str, Any], rows: list[dict[str, Any]],
-                 config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Print the table and metrics; write ``{benchmark, machine, config, metrics, rows}`` to ``path``."""
-    result = {"benchmark": name, "machine": machine(), "config": config or {}, "metrics": metrics, "rows": rows}
+                 config: dict[str, Any] | None = None, *, argv: list[str]) -> dict[str, Any]:
+    """Print the table and metrics; write ``{benchmark, machine, config, metrics, rows}`` to ``path``.
+    ``argv`` (the benchmark's own arguments) becomes ``config["bench_command"]``, the exact command line
+    ``bench summary`` prints for the result."""
+    config = {"bench_command": bench_command(name, argv), **(config or {})}
+    result = {"benchmark": name, "machine": machine(), "config": config, "metrics": metrics, "rows": rows}
     print_table(rows)
     print(json.dumps({"metrics": metrics}, indent=2))
     if path is not None:

@@ -74,5 +74,5 @@ def main(argv: list[str]) -> int:
               "threads": results["comera"]["threads"], "profile": {n: results[n]["profile"] for n in ORDER}, "process_per_contender": True,
               "target": target, "recompute": args.recompute,
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "galore", metrics, rows, config)
+    write_result(args.json, "galore", metrics, rows, config, argv=argv)
     return 0

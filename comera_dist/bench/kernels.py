@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from comera_dist.bench.common import base_parser, time_fn, write_result
+from comera_dist.bench.common import base_parser, counts, time_fn, write_result
 from comera_dist.tensor import contract
 from comera_dist.tensor.factorize import tt_ranks
 from comera_dist.tensor.tt import tt_init
@@ -192,6 +192,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default: float32 bfloat16")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available()
+    # --batch-size, when given, is the only token count (below); batch=1 stands in for --tokens' default
+    reps, _ = counts(p, args, steps=20 if on_gpu else 1, batch=1)
     if not on_gpu:
         if not args.allow_cpu:
             print("kernels benchmark: no CUDA device; the fused Triton kernels are benchmarked on a GPU. "
@@ -204,9 +206,9 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
     device = torch.device("cuda" if on_gpu else "cpu")
-    tokens = [args.batch_size] if args.batch_size else args.tokens or ([4096, 8192, 16384, 32768] if on_gpu else [48])
+    tokens = [args.batch_size] if args.batch_size is not None else args.tokens or (
+        [4096, 8192, 16384, 32768] if on_gpu else [48])
     dtypes = [DTYPES[d] for d in (args.dtypes or (["float32", "bfloat16"] if on_gpu else ["float32"]))]
-    reps = args.steps or (20 if on_gpu else 1)
     linear, embedding = (PAPER_LINEAR, PAPER_EMBEDDING) if on_gpu else (TINY_LINEAR, TINY_EMBEDDING)
 
     peaks = measure_peaks(device, dtypes, big=on_gpu)
@@ -236,5 +238,5 @@ def main(argv: list[str]) -> int:
               "speedups": "geometric means over shapes x tokens x dtypes of fwd+bwd time ratios unless suffixed",
               "targets_h100": {"fused_tt_linear_speedup_vs_torch": 1.5, "fused_lookup_speedup_vs_naive": 5.0},
               "ids": "Zipf(1) over a shuffled vocabulary"}
-    write_result(args.json, "kernels", metrics, rows, config)
+    write_result(args.json, "kernels", metrics, rows, config, argv=argv)
     return 0

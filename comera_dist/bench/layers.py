@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from comera_dist.bench.common import base_parser, write_result
+from comera_dist.bench.common import base_parser, counts, write_result
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.tensor import contract
 
@@ -144,9 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--malloc-tune", action="store_true",
                    help="also measure with glibc keeping freed blocks (no page faults on fresh outputs)")
     args = p.parse_args(argv)
+    reps, tokens = counts(p, args, steps=7, batch=4096)
     load_start = os.getloadavg()  # the machine is shared: record how busy it was
-    reps = args.steps or 7
-    tokens = args.batch_size or 4096
     rows: list[dict[str, Any]] = []
     settings = [("default", None)] + ([("malloc_tuned", malloc_tune)] if args.malloc_tune else [])
     metrics: dict[str, Any] = {}
@@ -178,5 +177,5 @@ def main(argv: list[str]) -> int:
               "timing": "interleaved pairs, speedup = median of per-rep ratios",
               "memory": "bytes autograd saves for backward, parameters and inputs excluded",
               "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    write_result(args.json, "layers", metrics, rows, config)
+    write_result(args.json, "layers", metrics, rows, config, argv=argv)
     return 0

@@ -40,5 +40,5 @@ def main(argv: list[str]) -> int:
         metrics[f"{name}_activations_MiB_b{batch}"] = by[name]["activations_MiB"]
     config = {"steps": steps, "batch_size": batch, "smoke": args.smoke, "process_per_contender": True, "threads": threads,
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "memory", metrics, rows, config)
+    write_result(args.json, "memory", metrics, rows, config, argv=argv)
     return 0

@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import shlex
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -185,12 +183,6 @@ def gpu_path() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _env_prefix() -> str:
-    """``OMP_NUM_THREADS=N `` when the run had it set (it decides the ``cpu_eager`` thread count)."""
-    n = os.environ.get("OMP_NUM_THREADS")
-    return f"OMP_NUM_THREADS={shlex.quote(n)} " if n else ""
-
-
 def main(argv: list[str]) -> int:
     p = base_parser("ops", "aten ops and host syncs per six-encoder training step, dense vs CoMERA")
     p.add_argument("--smoke", action="store_true", help="tiny model of the same architecture (CI)")
@@ -198,7 +190,9 @@ def main(argv: list[str]) -> int:
                    help="also count the kernels of the bf16 step compiled by inductor, dense and CoMERA "
                         "(two compilations: about 100 s at full size on 2 cores)")
     args = p.parse_args(argv)
-    batch = args.batch_size or 2  # op counts do not depend on the batch size
+    batch = 2 if args.batch_size is None else args.batch_size  # op counts do not depend on the batch size
+    if batch < 1:
+        p.error(f"--batch-size must be >= 1, got {batch}")
     rows = [measure(n, smoke=args.smoke, batch_size=batch, policy=pol)
             for pol in ("static", "cpu_eager") for n in ("dense", "comera")]
     rows.append(measure("comera_pruned", smoke=args.smoke, batch_size=batch, policy="static"))
@@ -234,9 +228,8 @@ def main(argv: list[str]) -> int:
                                               "aten.index/index_put with a bool mask"],
               "target": {"ops_ratio_comera_over_dense": 2.0, "syncs_per_step_comera": "<= syncs_per_step_dense"},
               "targets_met": met, "compiled_bf16": compiled,
-              "top_ops": {f"{r['contender']}/{r['policy']}/{r['precision']}": r["top_ops"] for r in rows},
-              "bench_command": _env_prefix() + "python -m comera_dist.bench ops " + shlex.join(argv)}
+              "top_ops": {f"{r['contender']}/{r['policy']}/{r['precision']}": r["top_ops"] for r in rows}}
     table = [{k: v for k, v in r.items() if k not in ("top_ops", "sync_ops")} |
              {"sync_ops": ", ".join(f"{k} x{v}" for k, v in r["sync_ops"].items()) or "-"} for r in rows]
-    write_result(args.json, "ops", metrics, table, config)
+    write_result(args.json, "ops", metrics, table, config, argv=argv)
     return 0

@@ -105,5 +105,5 @@ def main(argv: list[str]) -> int:
               "bonds_pruned": sum(len(b) for b in plan.kept.values()), "threads": torch.get_num_threads(),
               "profile": profiles, "target": {"step_time_ratio_over_flop_ratio": [0.8, 1.2]},
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "prune-payoff", metrics, rows, config)
+    write_result(args.json, "prune-payoff", metrics, rows, config, argv=argv)
     return 0

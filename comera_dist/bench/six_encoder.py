@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     if args.device is not None:
         from comera_dist.bench.six_encoder_device import run_device
 
-        return run_device(args, torch.device(args.device), steps, sizes)
+        return run_device(args, torch.device(args.device), steps, sizes, argv)
     load_start = os.getloadavg()
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
     rows: list[dict[str, Any]] = []
@@ -274,5 +274,5 @@ def main(argv: list[str]) -> int:
               "threads": torch.get_num_threads(), "rank_align": dispatch.aligned_rank(1),
               "ffn_rows": dispatch.ffn_setting(),  # CoMERA's fused TT FFN (dispatch.ffn_rows)
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
-    write_result(args.json, "six-encoder", metrics, rows, config)
+    write_result(args.json, "six-encoder", metrics, rows, config, argv=argv)
     return 0

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from comera_dist.bench.common import write_result
+from comera_dist.bench.common import CUBLAS_WORKSPACE_ENV, CUBLASLT_ENV, write_result
 from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
 from comera_dist.bench.kernel_time import kernel_time
 from comera_dist.bench.memory_probe import step_peak_bytes
@@ -53,10 +53,6 @@ from comera_dist.bench.six_encoder import (
 from comera_dist.kernels import dispatch
 
 DEVICE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
-CUBLASLT_ENV = ("DISABLE_ADDMM_CUDA_LT", "TORCH_BLAS_PREFER_CUBLASLT")
-"""torch's switches for cuBLASLt: ``addmm`` with a bias (``F.linear``'s, the TT layers' output GEMM) goes to
-cuBLASLt's bias epilogue unless the first is 1; the second prefers cuBLASLt for plain products."""
 
 
 def modes(name: str, device: torch.device, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -261,9 +257,10 @@ def _kernels_row(c: Contender, batch: dict[str, Tensor]) -> dict[str, Any]:
             "extern_kernels": sum(k["extern"].values())}
 
 
-def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
+def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: list[str]) -> int:
     """Every contender, mode, dtype and batch size on ``device`` (GaLore at the smallest batch only,
-    where the paper compares it); one JSON result with the rows and ``metrics_of`` them."""
+    where the paper compares it); one JSON result with the rows and ``metrics_of`` them. ``argv``: the
+    benchmark's arguments, recorded as its command."""
     load_start = os.getloadavg()
     wanted = tuple(args.modes) if args.modes else None
     # inductor's compiled rows also count their graphs' kernels (on the CPU its C++ kernels must be
@@ -298,5 +295,5 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int]) -> int:
               "ffn_rows": dispatch.ffn_setting(),
               "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
     metrics = {k + suffix: v for k, v in metrics_of(rows, sizes, dev).items()}
-    write_result(args.json, "six-encoder", metrics, rows, config)
+    write_result(args.json, "six-encoder", metrics, rows, config, argv=argv)
     return 0

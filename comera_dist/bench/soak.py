@@ -107,15 +107,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a temporary one)")
     p.add_argument("--set", action="append", default=[], help="extra config override a.b=value")
     args = p.parse_args(argv)
-    steps = args.steps or 2000
+    steps = 2000 if args.steps is None else args.steps
+    if steps < 1:
+        p.error(f"--steps must be >= 1, got {steps}")
+    if args.batch_size is not None:
+        p.error("--batch-size: the batch is the config's; use --set deepspeed.micro_batch_size_per_gpu=B")
     with tempfile.TemporaryDirectory(prefix="comera-soak-") as tmp:
         metrics = run(steps, args.checkpoint_every, args.out or Path(tmp) / "run", args.set)
     series = metrics.pop("rss_every_100_steps_bytes")
     rows = [{"step": 1 + 100 * i, "rss_mib": b / 2**20} for i, b in enumerate(series)]
     config = {"config": CONFIG, "steps": steps, "checkpoint_every": args.checkpoint_every, "world_size": 1,
-              "overrides": args.set, "full_run": steps >= 2000,
-              "command": "python -m comera_dist.bench soak " + " ".join(argv)}
-    write_result(args.json, "soak", metrics, rows, config)
+              "overrides": args.set, "full_run": steps >= 2000}
+    write_result(args.json, "soak", metrics, rows, config, argv=argv)
     from comera_dist.engine.distributed import leave_distributed
 
     leave_distributed()  # as `comera pretrain` leaves: the process group destroyed, not left to exit

@@ -29,10 +29,11 @@ by ``config.load_run_config`` exactly as ``comera pretrain --set`` applies them)
    ``step N/M ... tokens_per_second X`` log lines print). The trainer times ``perf_counter`` around
    fetching the batch and ``session.train_step`` and synchronizes the accelerator before reading the
    clock, so a step time covers the step's device work, like the bench's.
-   ``trainer_loop_tokens_per_s`` (reported, not the target) is the loop's wall rate: B * T over the
-   median interval between the starts of consecutive timed ``session.train_step`` calls, which also
-   covers the metrics call and the host work between steps. ``trainer_step_s`` and
-   ``trainer_data_wait_s``: the medians of the trainer's ``step_time_seconds`` and of the part of it
+   ``trainer_loop_tokens_per_s`` (reported, not the target) is the loop's wall rate: the tokens of one
+   trainer step (B * ``deepspeed.gradient_accumulation_steps`` * T, as the trainer counts them,
+   ``trainer_tokens_per_step``) over the median interval between the starts of consecutive timed
+   ``session.train_step`` calls, which also covers the metrics call and the host work between steps.
+   ``trainer_step_s`` and ``trainer_data_wait_s``: the medians of the trainer's ``step_time_seconds`` and of the part of it
    spent waiting for the batch (``data_wait_seconds``: the loader's prefetch falling behind).
 
 So the ratio compares one optimizer step of the same model on the same device at the same batch:
@@ -63,6 +64,7 @@ the bare step captured in one CUDA graph, ``targets``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import statistics
@@ -101,6 +103,38 @@ def targets(metrics: dict[str, float]) -> dict[str, float]:
     CoMERA step rate is its best mode's, and a trainer compiled with CUDA graphs
     (``train.compile_mode=reduce-overhead``) beats the eager step long before it keeps up with the captured one."""
     return {m: t for m, _, t, _ in TARGETS["trainer-rate"] if m == "trainer_rate_over_bench" or m in metrics}
+
+
+def trainer_tokens_per_step(cfg, world_size: int = 1) -> int:
+    """Tokens of one optimizer step of the trainer over ``world_size`` ranks, as it counts them
+    (``RunData.tokens_per_step``): micro-batch x gradient accumulation x world size x ``data.seq_len``."""
+    from comera_dist.engine.config import solve_batch_sizes
+
+    return solve_batch_sizes(cfg.deepspeed, world_size).global_batch * cfg.data.seq_len
+
+
+def loop_tokens_per_s(tokens_per_step: int, starts: list[float]) -> float:
+    """The loop's wall rate: ``tokens_per_step`` over the median interval between consecutive step ``starts``
+    (seconds); NaN with fewer than two."""
+    intervals = [b - a for a, b in itertools.pairwise(starts)]
+    return tokens_per_step / statistics.median(intervals) if intervals else float("nan")
+
+
+def rate_rows(bench: dict[str, Any], session: dict[str, Any], trainer: dict[str, Any],
+              graph_tps: float | None) -> list[dict[str, Any]]:
+    """The table: tokens/s and seconds per step of each contender, each step its own tokens (the bare step
+    and the session's micro-batches ``bench["tokens_per_step"]`` each, the trainer's ``trainer["tokens_per_step"]``)."""
+    session_tokens = bench["tokens_per_step"] * session["micro_batches"]
+    return [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench["tokens_per_step"] / bench["step_s"],
+             "step_s": bench["step_s"]},
+            *([{"contender": "bench, one CUDA graph", "tokens_per_s": graph_tps,
+                "step_s": bench["tokens_per_step"] / graph_tps}] if graph_tps else []),
+            {"contender": "session step (DeepSpeed, fixed batch)", "tokens_per_s": session_tokens / session["step_s"],
+             "step_s": session["step_s"]},
+            {"contender": "trainer (its tokens_per_second)", "tokens_per_s": trainer["tokens_per_s"],
+             "step_s": trainer["tokens_per_step"] / trainer["tokens_per_s"]},
+            {"contender": "trainer loop (wall)", "tokens_per_s": trainer["loop_tokens_per_s"],
+             "step_s": trainer["tokens_per_step"] / trainer["loop_tokens_per_s"]}]
 
 
 def trainer_sets(steps: int, out_dir: Path) -> list[str]:
@@ -282,14 +316,13 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
     timed = [s for s in sorted(per_step) if s > skip]
     if len(timed) != steps or len(starts) != skip + steps:
         raise SystemExit(f"trainer-rate: expected {skip + steps} logged steps, got {sorted(per_step)}")
-    intervals = [b - a for a, b in zip(starts[skip:], starts[skip + 1:])]
+    tokens = trainer_tokens_per_step(cfg)
     waits = dict(history.scalars["data_wait_seconds"])
     step_times = dict(history.scalars["step_time_seconds"])
     return {"tokens_per_s": statistics.median(per_step[s] for s in timed),
             "data_wait_s": statistics.median(waits[s] for s in timed),
             "step_s": statistics.median(step_times[s] for s in timed),
-            "loop_tokens_per_s": cfg.data.seq_len * cfg.deepspeed.micro_batch_size_per_gpu
-            / statistics.median(intervals) if intervals else float("nan"),
+            "tokens_per_step": tokens, "loop_tokens_per_s": loop_tokens_per_s(tokens, starts[skip:]),
             "per_step": per_step, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
             "wall_seconds": wall, "cudagraph_trees": trees}
 
@@ -305,7 +338,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip", type=int, default=5, help="first trainer steps left out of its median")
     p.add_argument("--out", type=Path, default=None, help="trainer run directory (default: a temporary one)")
     args = p.parse_args(argv)
-    steps = args.steps or (5 if args.smoke else 30)
+    steps = (5 if args.smoke else 30) if args.steps is None else args.steps
     if args.batch_size is not None:
         p.error("--batch-size: the batch is the config's; use --set deepspeed.micro_batch_size_per_gpu=B")
     if steps < 2 or args.skip < 1 or args.warmup < 0:
@@ -346,15 +379,7 @@ def main(argv: list[str]) -> int:
                     "trainer_rate_over_bench_graph": trainer["tokens_per_s"] / graph_tps}
     if device.type == "cuda":
         metrics |= {"host_syncs_per_step_bench": bench["syncs"], "host_syncs_per_step_session": session["syncs"]}
-    rows = [{"contender": "bench (bare CoMERA step)", "tokens_per_s": bench_tps, "step_s": bench["step_s"]},
-            *([{"contender": "bench, one CUDA graph", "tokens_per_s": metrics["bench_graph_tokens_per_s"],
-                "step_s": graph["step_s"]}] if "bench_graph_tokens_per_s" in metrics else []),
-            {"contender": "session step (DeepSpeed, fixed batch)", "tokens_per_s": session_tps,
-             "step_s": bench["tokens_per_step"] / session_tps},
-            {"contender": "trainer (its tokens_per_second)", "tokens_per_s": trainer["tokens_per_s"],
-             "step_s": bench["tokens_per_step"] / trainer["tokens_per_s"]},
-            {"contender": "trainer loop (wall)", "tokens_per_s": trainer["loop_tokens_per_s"],
-             "step_s": bench["tokens_per_step"] / trainer["loop_tokens_per_s"]}]
+    rows = rate_rows(bench, session, trainer, metrics.get("bench_graph_tokens_per_s"))
     result_config = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "config": config, "overrides": user_sets, "smoke": args.smoke, "target": targets(metrics),
@@ -362,6 +387,7 @@ def main(argv: list[str]) -> int:
         "precision": cfg.deepspeed.precision, "zero_stage": cfg.deepspeed.zero_stage, "world_size": 1,
         "bench_steps": steps, "bench_warmup": args.warmup, "bench_params": bench["params"],
         "trainer_steps": args.skip + steps, "trainer_skipped_steps": args.skip,
+        "trainer_tokens_per_step": trainer["tokens_per_step"],
         "trainer_tokens_per_second_by_step": {str(k): v for k, v in trainer["per_step"].items()},
         "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
         "profile": {"bench step": bench["profile"], "session step": session["profile"]},
@@ -369,8 +395,8 @@ def main(argv: list[str]) -> int:
         "bench_graph_error": None if graph is None else graph["error"],
         "compile_counters": compile_counters() if cfg.train.compile else None,  # trainer and session together
         "cudagraph_trees": {"trainer": trainer["cudagraph_trees"], "session": session["cudagraph_trees"]},
-        "command": command, "bench_command": "python -m comera_dist.bench trainer-rate " + shlex.join(argv)}
-    write_result(args.json, "trainer-rate", metrics, rows, result_config)
+        "command": command}
+    write_result(args.json, "trainer-rate", metrics, rows, result_config, argv=argv)
     from comera_dist.engine.distributed import leave_distributed
 
     leave_distributed()  # as `comera pretrain` leaves: the process group destroyed, not left to exit

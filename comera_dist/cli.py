@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 EXIT_BAD_INPUT = 2
 
 PRETRAIN_HELP = "Pretrain a CoMERA (tensor-train, rank-adaptive) model with DeepSpeed."
-EVALUATE_HELP = "Masked-LM loss and accuracy of a checkpoint on any local corpus."
+EVALUATE_HELP = ("Loss and accuracy of a checkpoint on any local corpus: masked-LM for an MLM run, next-token for "
+                 "a causal (GPT) run.")
 EXPORT_HELP = "Export a checkpoint: densified HF model, compact TT form, or one consolidated file."
 PRETRAIN_EPILOG = """exit status (every rank alike; slurm/pretrain.sh requeues a stopped job only after 0):
   0  done, or stopped by SIGUSR1/SIGTERM after a checkpoint (resume with --resume auto)
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per batch (default 8)")
     ev.add_argument("--max-batches", type=int, default=None, metavar="N",
                     help="stop after N batches (default: the whole corpus)")
-    ev.add_argument("--seed", type=int, default=0, help="seed of the MLM masking (default 0)")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the MLM masking (default 0; a causal run draws nothing)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
     ex = sub.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
@@ -135,7 +136,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    """``comera evaluate``: MLM loss and accuracy of a checkpoint on local files."""
+    """``comera evaluate``: the masked-LM (or causal-LM) loss and accuracy of a checkpoint on local files."""
     from comera_dist.engine.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size,
@@ -143,8 +144,9 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        scored = "masked tokens" if result["objective"] == "mlm" else "next-token predictions"
         print(f"loss {result['loss']:.4f}  accuracy {result['accuracy']:.4f}  "
-              f"({result['masked_tokens']} masked tokens in {result['batches']} batches)")
+              f"({result['masked_tokens']} {scored} in {result['batches']} batches)")
     return 0
 
 

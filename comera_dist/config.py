@@ -121,6 +121,25 @@ def check_cross_sections(cfg: RunConfig) -> None:
         check_factorization(cfg.model, cfg.comera)
 
 
+PRETRAIN_OBJECTIVES = {"bert_mlm": "mlm", "gpt": "causal"}
+"""The ``data.objective`` each pretrainable ``model.arch`` learns."""
+
+
+def check_pretrainable(cfg: RunConfig) -> None:
+    """``comera pretrain`` trains a masked LM (``bert_mlm`` on ``mlm`` data) or a causal LM (``gpt`` on ``causal``
+    data): a classifier has no pretraining loss, and a mismatched pair crashed at the first step (a GPT given
+    MLM batches) or trained nothing useful (an encoder asked to copy its unmasked input). ``--dry-run`` and the
+    benchmarks build any arch."""
+    arch, objective = cfg.model.arch, cfg.data.objective
+    if arch not in PRETRAIN_OBJECTIVES:
+        raise ConfigError(f"model.arch={arch} is not pretrained by comera pretrain (a classifier: the paper's "
+                          "six-encoder benchmark model); pretrain bert_mlm (data.objective=mlm; the six-encoder's "
+                          "is configs/six-encoder-mlm.yaml) or gpt (data.objective=causal)")
+    if objective != PRETRAIN_OBJECTIVES[arch]:
+        raise ConfigError(f"data.objective={objective} does not train model.arch={arch}: set data.objective="
+                          f"{PRETRAIN_OBJECTIVES[arch]}")
+
+
 def layer_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """(rows, cols) of each tensorizable layer kind: linear (in, out), embedding (vocab, hidden)."""
     h, f = model.hidden_size, model.intermediate_size

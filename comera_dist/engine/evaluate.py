@@ -79,7 +79,9 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
         return {k: v.float() for k, v in torch.load(files[0], map_location="cpu", weights_only=False)["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    # it prints its progress on stdout, which is the commands' result (`comera evaluate --json`, export's path)
+    with contextlib.redirect_stdout(sys.stderr):
+        return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
 
 
 def _read(path: Path) -> tuple[RunConfig, dict[str, Any]]:
@@ -142,6 +144,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     """Token-weighted MLM (or causal) loss and arg-max accuracy of a checkpoint on local files."""
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_batches is not None and max_batches < 1:
+        raise InputError(f"--max-batches must be >= 1 (or left out for the whole corpus), got {max_batches}")
     path = locate(checkpoint)
     cfg, _ = _read(path)
     try:  # the data first: bad input fails before any weights are read
@@ -181,6 +185,14 @@ def _publish_dir(out: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
+    """The run tokenizer's special ids for an exported model's config (none without a tokenizer)."""
+    if not tokenizer_dir.is_dir():
+        return {}
+    tok = load_tokenizer(tokenizer_dir)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "dense-hf") -> Path:
     """Write the checkpoint as ``dense-hf`` (transformers ``save_pretrained``), ``tt`` (compact TT
     cores with their shapes) or ``consolidated`` (one fp32 state-dict file); returns ``out``."""
@@ -193,7 +205,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "de
     out = Path(out)
     with _publish_dir(out) as tmp:
         if fmt == "dense-hf":
-            export_dense(run.model, tmp)
+            export_dense(run.model, tmp, token_ids=_token_ids(run.tokenizer_dir))
         elif fmt == "tt":
             save_tt(run.model, tmp)
         else:

@@ -29,7 +29,7 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from comera_dist.compression.controller import RanksCollapsed
-from comera_dist.config import RunConfig, check_world_size
+from comera_dist.config import RunConfig, check_pretrainable, check_world_size
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
@@ -240,6 +240,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop: StopRequest | None = No
 
 
 def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
+    check_pretrainable(cfg)  # before any rank starts a collective
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known

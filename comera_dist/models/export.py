@@ -11,6 +11,7 @@ model (``tie_word_embeddings=True``, one densified table).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,17 +34,21 @@ from comera_dist.models.hf import densify
 from comera_dist.models.six_encoder import SixEncoderClassifier
 
 
-def export_dense(model: nn.Module, out_dir: str | Path) -> Path:
-    """Densify ``model`` (ours or a tensorized HF model) and ``save_pretrained`` it to ``out_dir``."""
-    hf = densify(model) if isinstance(model, PreTrainedModel) else to_hf(model)
+def export_dense(model: nn.Module, out_dir: str | Path, *, token_ids: Mapping[str, int | None] | None = None) -> Path:
+    """Densify ``model`` (ours or a tensorized HF model) and ``save_pretrained`` it to ``out_dir``.
+
+    ``token_ids`` (ours): the run tokenizer's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``, for the
+    exported config and generation config (GPT-2's defaults, 50256, are outside a run's vocabulary)."""
+    hf = densify(model) if isinstance(model, PreTrainedModel) else to_hf(model, token_ids=token_ids)
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
         hf.save_pretrained(tmp)
     return out
 
 
-def to_hf(model: nn.Module) -> PreTrainedModel:
-    """The dense HF model equivalent to one of our models (same logits in eval mode)."""
+def to_hf(model: nn.Module, *, token_ids: Mapping[str, int | None] | None = None) -> PreTrainedModel:
+    """The dense HF model equivalent to one of our models (same logits in eval mode); ``token_ids`` as for
+    ``export_dense`` (without them a GPT-2 export names no bos/eos token)."""
     if not isinstance(model, (BertMLM, SixEncoderClassifier, GPT)):
         raise TypeError(f"to_hf supports BertMLM, SixEncoderClassifier and GPT, got {type(model).__name__}")
     cfg: ModelConfig = model.config
@@ -61,7 +66,7 @@ def to_hf(model: nn.Module) -> PreTrainedModel:
         state.update(_linear(model.pooler, "bert.pooler.dense."))
         state.update(_linear(model.classifier, "classifier."))
     else:
-        hf = GPT2LMHeadModel(_gpt2_config(cfg, tied=_tied(model.lm_head, model.word)))
+        hf = GPT2LMHeadModel(_gpt2_config(cfg, tied=_tied(model.lm_head, model.word), token_ids=token_ids or {}))
         state = _gpt2_state(model)
     _load_exact(hf, state)
     return hf.to(_dtype_of(model)).eval()
@@ -88,12 +93,14 @@ def _bert_config(cfg: ModelConfig, *, tied: bool) -> BertConfig:
                       tie_word_embeddings=tied)
 
 
-def _gpt2_config(cfg: ModelConfig, *, tied: bool) -> GPT2Config:
+def _gpt2_config(cfg: ModelConfig, *, tied: bool, token_ids: Mapping[str, int | None]) -> GPT2Config:
     return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_positions, n_embd=cfg.hidden_size,
                       n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.intermediate_size,
                       activation_function="gelu", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                       attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.layer_norm_eps,
-                      initializer_range=cfg.init_std, tie_word_embeddings=tied)
+                      initializer_range=cfg.init_std, tie_word_embeddings=tied,
+                      bos_token_id=token_ids.get("bos_token_id"), eos_token_id=token_ids.get("eos_token_id"),
+                      pad_token_id=token_ids.get("pad_token_id"))
 
 
 def _bert_trunk(model: BertMLM | SixEncoderClassifier, p: str) -> dict[str, Tensor]:

@@ -118,7 +118,7 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
     rc, out, err = in_process(capsys, "evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--json",
                               "--batch-size", "4")
     assert rc == 0, err[-3000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out)  # stdout is the one JSON object (DeepSpeed's zero_to_fp32 prints go to stderr)
     assert result["checkpoint"].endswith("step00000006")
     assert result["masked_tokens"] > 0 and result["batches"] > 0
     assert 0.0 < result["loss"] < 20.0 and 0.0 <= result["accuracy"] <= 1.0
@@ -130,11 +130,13 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
     # Deterministic: the same masks give the same numbers, from the checkpoint directory itself too.
     rc, out, _ = in_process(capsys, "evaluate", "--checkpoint", str(run_dir / "checkpoints" / "step00000006"),
                             "--data", str(corpus), "--json", "--batch-size", "4")
-    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["loss"] == result["loss"]
+    assert rc == 0 and json.loads(out)["loss"] == result["loss"]
     # Bad input: a missing checkpoint, an empty corpus.
     (corpus.parent / "empty.txt").write_text("\n")
     for args, needle in ((["--checkpoint", str(corpus / "none"), "--data", str(corpus)], "no such directory"),
-                         (["--checkpoint", str(run_dir), "--data", str(corpus.parent / "empty.txt")], "empty corpus")):
+                         (["--checkpoint", str(run_dir), "--data", str(corpus.parent / "empty.txt")], "empty corpus"),
+                         (["--checkpoint", str(run_dir), "--data", str(corpus), "--max-batches", "0"],
+                          "--max-batches must be >= 1")):
         rc, _, err = in_process(capsys, "evaluate", *args)
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
@@ -198,9 +200,10 @@ def test_export_round_trips(run_dir, tmp_path, capsys):
         expected = model(ids)["logits"]  # (2, 16, V)
 
     for fmt in ("dense-hf", "tt", "consolidated"):
-        rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt),
-                                "--format", fmt)
+        rc, out, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / fmt),
+                                  "--format", fmt)
         assert rc == 0, err[-3000:]
+        assert out == f"{tmp_path / fmt}\n"  # the path alone (DeepSpeed's zero_to_fp32 prints go to stderr)
     with torch.no_grad():
         hf = AutoModelForMaskedLM.from_pretrained(tmp_path / "dense-hf").eval()
         torch.testing.assert_close(hf(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)

@@ -200,3 +200,18 @@ def test_a_failed_save_leaves_the_previous_directory_intact(tmp_path, monkeypatc
     assert (out / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tt"]  # no temporary sibling left behind
     torch.testing.assert_close(logits(load_tt(out)), logits(model), rtol=0, atol=0)
+
+
+def test_an_exported_gpt_names_the_run_tokenizers_special_ids(tmp_path):
+    """GPT-2's config defaults (bos = eos = 50256) lie outside a run's vocabulary: the export takes the run
+    tokenizer's ids, or names none."""
+    from transformers import GenerationConfig
+
+    ids = {"bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
+    export_dense(ours("gpt"), tmp_path / "run", token_ids=ids)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids
+    generation = GenerationConfig.from_pretrained(tmp_path / "run")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (2, 3, 0)
+    bare = to_hf(ours("gpt")).config
+    assert (bare.bos_token_id, bare.eos_token_id) == (None, None)

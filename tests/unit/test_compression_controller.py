@@ -157,6 +157,8 @@ def test_lambda_on_the_device_is_the_host_rule(loss, size):
     (L1, R1), (L2, R2) = _losses(), _losses()
     want = host.objective(L1, R1, global_loss=loss, global_size=round(size))
     got, lam = device.objective_on_device(L2, R2, global_loss=_f64(loss), global_size=_f64(size))
+    size_gap = (round(size) - 550) / round(size)
+    assert host.lam == int((loss - 1.0) / loss < size_gap)  # strict: equal gaps keep lambda 0
     assert lam.dtype == torch.bool and lam.shape == () and int(lam) == host.lam
     want.backward()
     got.backward()
@@ -164,6 +166,17 @@ def test_lambda_on_the_device_is_the_host_rule(loss, size):
     assert device.lam is None  # the state waits for end_step, after the step's one host read
     device.end_step(loss, [int(lam)])
     assert (device.lam, device.state.lam_switches, device.state.last_loss) == (host.lam, host.state.lam_switches, loss)
+
+
+@pytest.mark.parametrize(("loss", "size"), [(2.0, 1100), (1.0, 550)])  # both gaps 0.5; both 0
+def test_equal_gaps_choose_the_task_loss(loss, size):
+    """A tie is not a size gap larger than the task gap: lambda is 0 on the host and on the device."""
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.5, target_loss=1.0))
+    ctl.advance(0, global_loss=4.0, global_size=1100)  # S* = 550
+    assert ctl.decide_lambda(loss, size) == 0
+    L, R = _losses()
+    out, lam = ctl.objective_on_device(L, R, global_loss=_f64(loss), global_size=_f64(size))
+    assert not lam and out.item() == pytest.approx(0.1 * 2.0 + 0.01 * 0.8 + 2.0)
 
 
 def test_early_objective_on_the_device_has_no_lambda():

@@ -69,6 +69,26 @@ def test_epochs_reshuffle_and_seed_matters():
     assert _block_ids(next(_loader(ds, bs=16, seed=4))) != e0
 
 
+def test_masks_are_drawn_afresh_for_every_step_and_rank():
+    """The collator's generator is seeded by (seed, step, rank): no two batches of a run share a mask stream."""
+    ds = _dataset(40)
+    loaders = [_loader(ds, rank=r, world=2, bs=2) for r in range(2)]
+    noise = [[next(ld)["noise"] for _ in range(3)] for ld in loaders]  # [rank][step] (B,)
+    for r in range(2):
+        assert not torch.equal(noise[r][0], noise[r][1]) and not torch.equal(noise[r][1], noise[r][2])
+    assert all(not torch.equal(noise[0][s], noise[1][s]) for s in range(3))
+
+
+def test_an_epoch_that_divides_evenly_is_used_to_its_last_block():
+    """16 blocks in global batches of 4: four batches, the last ending on the epoch's last block, then epoch 1."""
+    ld = _loader(_dataset(16), bs=4)
+    assert ld.batches_per_epoch == 4
+    seen = [i for _ in range(4) for i in _block_ids(next(ld))]
+    assert sorted(seen) == list(range(16)) and ld.epoch == 0
+    next(ld)
+    assert (ld.epoch, ld.position, ld.step) == (1, 4, 5)
+
+
 def test_resume_on_another_world_size_continues_with_the_unseen_blocks():
     ds = _dataset(40)
     two = [_loader(ds, rank=r, world=2, bs=2) for r in range(2)]
@@ -119,6 +139,9 @@ def test_eval_batches_shard_equally_and_repeat_masks():
     assert ids == [list(range(11)), list(range(11, 22))]
     again = list(eval_batches(ds, batch_size=3, rank=0, world_size=2, seed=5, collator=_noisy_collator))
     assert all(torch.equal(a["noise"], b["noise"]) for a, b in zip(shards[0], again))
+    # ... while within one pass every batch, and every rank, draws its own masks
+    assert not torch.equal(shards[0][0]["noise"], shards[0][1]["noise"])
+    assert not torch.equal(shards[0][0]["noise"], shards[1][0]["noise"])
     capped = eval_batches(ds, batch_size=3, rank=0, world_size=1, seed=5, collator=causal_collator(), max_batches=2)
     assert [b["labels"].shape for b in capped] == [(3, L), (3, L)]
     with pytest.raises(DataError, match="eval_batches: the evaluation set has 2 blocks, fewer than world_size=4"):

@@ -9,6 +9,7 @@ and exits with status 2; the checks run before anything is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -137,10 +138,11 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``comera evaluate``: the masked-LM (or causal-LM) loss and accuracy of a checkpoint on local files."""
-    from comera_dist.engine.evaluate import evaluate_checkpoint
+    with _stdout_is_the_result():
+        from comera_dist.engine.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size,
-                                 max_batches=args.max_batches, seed=args.seed)
+        result = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size,
+                                     max_batches=args.max_batches, seed=args.seed)
     if args.json:
         print(json.dumps(result))
     else:
@@ -152,11 +154,19 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """``comera export``: write a checkpoint in the requested format."""
-    from comera_dist.engine.evaluate import export_checkpoint
+    with _stdout_is_the_result():
+        from comera_dist.engine.evaluate import export_checkpoint
 
-    path = export_checkpoint(args.checkpoint, args.out, fmt=args.format)
+        path = export_checkpoint(args.checkpoint, args.out, fmt=args.format)
     print(path)
     return 0
+
+
+def _stdout_is_the_result() -> contextlib.AbstractContextManager:
+    """Everything printed meanwhile goes to stderr: stdout is the command's result alone (one JSON object, a
+    path), for scripts. DeepSpeed's logger writes to stdout (its accelerator warning at import, zero_to_fp32's
+    progress), and binds that stream when first imported, which happens in here for these commands."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:

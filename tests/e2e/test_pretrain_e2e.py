@@ -141,6 +141,18 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
 
+def test_evaluate_and_export_print_only_their_result_on_stdout(run_dir, corpus, tmp_path):
+    """As scripts call them (a fresh process, no DS_ACCELERATOR): DeepSpeed's logger writes to stdout, its
+    accelerator warning at import and zero_to_fp32's progress; they go to stderr."""
+    env = {k: v for k, v in _env().items() if k != "DS_ACCELERATOR"}
+    p = comera("evaluate", "--checkpoint", str(run_dir), "--data", str(corpus), "--max-batches", "1", "--json",
+               env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["batches"] == 1, p.stdout
+    p = comera("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "tt"), "--format", "tt", env=env)
+    assert p.returncode == 0 and p.stdout == f"{tmp_path / 'tt'}\n", (p.stdout, p.stderr[-3000:])
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

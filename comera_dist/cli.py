@@ -42,7 +42,8 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                         "none: start fresh; PATH: that checkpoint. Default: the config's train.resume")
     p.add_argument("--dry-run", action="store_true",
                    help="print parameter counts, compression, FLOPs per token and the resolved DeepSpeed "
-                        "config, then exit without training or writing anything")
+                        "config, then exit without training or writing anything (status 2, after the summary, "
+                        "when comera pretrain would refuse the config, e.g. the six-encoder classifier)")
     p.add_argument("--json", action="store_true",
                    help="with --dry-run: print the summary as one JSON object (machine-readable)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
@@ -121,13 +122,19 @@ def pretrain(args: argparse.Namespace) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``comera pretrain --dry-run``: the resolved config and its batch arithmetic, nothing started."""
-    from comera_dist.config import load_run_config
+    from comera_dist.config import check_pretrainable, load_run_config
+    from comera_dist.configbase import ConfigError
     from comera_dist.engine.summary import format_summary, run_summary
 
     world_size = _world_size(args.world_size)
     cfg = load_run_config(args.config, _overrides(args), world_size=world_size)
     summary = run_summary(cfg, world_size=world_size)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
+        check_pretrainable(cfg)
+    except ConfigError as e:
+        print(f"comera pretrain: error: {e} (the summary above is for inspection only)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -13,7 +13,9 @@ from comera_dist import cli
 def _dry_run(capsys, *args: str) -> dict:
     rc = cli.main(["pretrain", "--config", "configs/six-encoder.yaml", "--dry-run", "--json", *args])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
+    # the paper's six-encoder is a classifier: its sizes are shown, and pretrain would refuse it (exit 2)
+    assert rc == 2 and captured.err.count("\n") == 1, captured.err
+    assert "model.arch=six_encoder_cls is not pretrained" in captured.err and "inspection only" in captured.err
     return json.loads(captured.out)
 
 
@@ -61,8 +63,10 @@ def test_dry_run_resolves_deepspeed_for_world_size(capsys):
 def test_dry_run_human_readable(capsys):
     rc = cli.main(["pretrain", "--config", "configs/six-encoder.yaml", "--dry-run", "--world-size", "8"])
     out = capsys.readouterr().out
-    assert rc == 0
+    assert rc == 2  # a classifier: shown, not pretrained (test_six_encoder_dry_run_sizes)
     assert "encoder TT params 838,272 vs dense 42,467,328" in out
+    rc = cli.main(["pretrain", "--config", "configs/six-encoder-mlm.yaml", "--dry-run", "--world-size", "8"])
+    assert rc == 0 and "encoder TT params" in capsys.readouterr().out
     assert '"train_batch_size": 256' in out
 
 

@@ -78,8 +78,8 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), *, world_si
     data = apply_overrides(load_yaml(path), overrides)
     try:
         cfg = build_run_config(data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from e
+    except ConfigError as e:  # the file and the overrides: either may hold the bad key
+        raise ConfigError(f"{path}{' with --set ' + ' '.join(overrides) if overrides else ''}: {e}") from e
     if world_size is not None:
         check_world_size(cfg, world_size)
     return cfg

@@ -31,7 +31,8 @@ class TrainConfig:
     """Also keep every checkpoint whose step is a multiple of this, whatever ``keep_checkpoints``
     says (0 = off, >= 0)."""
     output_dir: str = "runs/default"
-    """Run directory: checkpoints under ``<output_dir>/checkpoints``, logs and the report beside them."""
+    """Run directory: checkpoints under ``<output_dir>/checkpoints``, the run's tokenizer, the report and its plots
+    beside them (the logs go to each rank's stderr: the launcher's or Slurm's output file)."""
     seed: int = 0
     """Seed of torch, python and numpy RNGs (the same on every rank; data sharding uses the rank)."""
     resume: str = "auto"

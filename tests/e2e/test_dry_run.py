@@ -91,6 +91,8 @@ def test_help_explains_every_option(args, capsys):
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--config", "configs/no-such.yaml"], "config file not found: configs/no-such.yaml"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"],
+     "configs/tiny-cpu.yaml with --set train.stepz=3 train.output_dir="),
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.steps=many"], "train.steps"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "data.seq_len=4096"], "data.seq_len=4096"),

@@ -84,6 +84,8 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
         metrics.checkpoint_saved(False, step)
         raise
     metrics.checkpoint_saved(path is not None, step)
+    if path is not None:
+        metrics.save_history(step)  # a job resumed from this checkpoint continues the report from here
     return path
 
 
@@ -258,6 +260,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                             world_size=info.world_size, total_steps=cfg.train.steps,
                             output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name,
                             nonfinite_steps_total=guard.total)  # a resume's restored total is no new skip
+    if start:
+        metrics.restore_history(start)  # the report covers the whole run
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:

@@ -8,9 +8,11 @@ duplicate samples. Other ranks get a ``Metrics`` whose methods return at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +24,9 @@ from comera_dist.metrics.progress import ProgressBar
 from comera_dist.metrics.report import write_report
 
 log = logging.getLogger(__name__)
+
+HISTORY_FILE = "metrics_history.json"
+"""Rank 0's history as of the latest checkpoint, beside the report: a resumed job continues it."""
 
 STANDARD_KEYS: tuple[str, ...] = (
     "train_loss", "val_loss", "val_accuracy", "tokens_per_second", "step_time_seconds", "data_wait_seconds",
@@ -126,6 +131,34 @@ class Metrics:
         self.history.checkpoints.append((step, bool(ok), now))
         if self.exporter:
             self.exporter.checkpoint(bool(ok), now)
+
+    def save_history(self, step: int) -> None:
+        """Rank 0: write the history as of checkpoint ``step`` (``HISTORY_FILE``, atomically), so that the job
+        resuming from that checkpoint reports the whole run, not only its own steps."""
+        if not self.active:
+            return
+        path = self.output_dir / HISTORY_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"step": step, "history": self.history.state()}))
+        os.replace(tmp, path)
+
+    def restore_history(self, step: int) -> None:
+        """Rank 0 of a job resumed at checkpoint ``step``: continue the history saved with it (what was logged
+        after ``step`` by a job that resumed from an older checkpoint is dropped). None saved (a run from before
+        it was kept, or a damaged file): the report covers this job only, and says so in the log."""
+        if not self.active:
+            return
+        path = self.output_dir / HISTORY_FILE
+        try:
+            saved = json.loads(path.read_text())
+            self.history = History.from_state(saved["history"], upto=step)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("metrics: no history of the steps before %d (%s: %s): the report covers this job's steps "
+                        "only", step, path, e)
+            return
+        if saved["step"] < step:
+            log.warning("metrics: the history in %s ends at step %d, the resumed checkpoint is step %d: the report "
+                        "misses the steps between", path, saved["step"], step)
 
     def wait_for_first_scrape(self) -> bool:
         """Rank 0: wait up to ``first_scrape_timeout_s`` for a scrape of the values logged so far.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -114,3 +114,41 @@ class History:
         if extremes is None:
             return None
         return extremes.low if lowest else extremes.high
+
+    # ---- persistence: a resumed job's report covers the whole run -------------------------------
+    def state(self) -> dict[str, Any]:
+        """Plain JSON-able data of everything held (``from_state`` rebuilds it exactly)."""
+        def thinned(t: _Thinned) -> dict[str, Any]:
+            return {"points": t.points, "stride": t.stride, "seen": t.seen, "tail": t.tail}
+
+        return {"max_points": self.max_points, "max_rank_snapshots": self.max_rank_snapshots,
+                "checkpoints": self.checkpoints, "ranks": thinned(self._ranks),
+                "scalars": {k: thinned(t) for k, t in self._scalars.items()},
+                "extremes": {k: [e.low, e.high] for k, e in self._extremes.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], *, upto: int | None = None) -> History:
+        """The history ``state()`` described; ``upto``: without what was logged after that step (a resume from
+        an older checkpoint than the state's last one). Extremes are then those of the points kept."""
+        h = cls(max_points=state["max_points"], max_rank_snapshots=state["max_rank_snapshots"])
+        keep = (lambda step: True) if upto is None else (lambda step: step <= upto)
+
+        def thinned(data: dict[str, Any], max_points: int) -> _Thinned:
+            points = [(int(s), v) for s, v in data["points"] if keep(s)]
+            whole = len(points) == len(data["points"])
+            return _Thinned(max_points, points, data["stride"], data["seen"] if whole else len(points),
+                            data["tail"] and whole)
+
+        h.checkpoints = [(int(s), bool(ok), float(t)) for s, ok, t in state["checkpoints"] if keep(s)]
+        h._ranks = thinned(state["ranks"], h.max_rank_snapshots)
+        for key, data in state["scalars"].items():
+            series = thinned(data, h.max_points)
+            low, high = state["extremes"][key]
+            extremes = _Extremes(tuple(low) if low else None, tuple(high) if high else None)
+            if len(series.points) != len(data["points"]):  # cut: the extremes of what is left
+                extremes = _Extremes()
+                for step, value in series.points:
+                    extremes.add(step, value)
+            h._scalars[key], h._extremes[key] = series, extremes
+        return h
+

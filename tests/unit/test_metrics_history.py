@@ -88,3 +88,37 @@ def test_the_report_of_a_thinned_run_gives_the_true_first_last_min_and_max(tmp_p
 def test_a_budget_below_two_points_is_refused(name):
     with pytest.raises(ValueError, match=f"History.{name} must be >= 2"):
         History(**{name: 1})
+
+
+def _fill(h: History, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        h.add_scalars({"loss": 10.0 / step, "stage": float(step > 30)}, step)
+        if step % 5 == 0:
+            h.add_ranks({"layer": [step % 7, 3]}, step)
+        if step % 10 == 0:
+            h.checkpoints.append((step, True, float(step)))
+
+
+def test_a_saved_history_continues_as_if_it_never_stopped():
+    """A resumed job continues the history saved at its checkpoint (through JSON, as on disk): the same points,
+    thinning, extremes and checkpoints as one job that ran through."""
+    import json
+
+    through, first = History(max_points=8, max_rank_snapshots=4), History(max_points=8, max_rank_snapshots=4)
+    _fill(through, 1, 60)
+    _fill(first, 1, 40)
+    resumed = History.from_state(json.loads(json.dumps(first.state())))
+    _fill(resumed, 40, 60)
+    assert json.loads(json.dumps(resumed.state())) == json.loads(json.dumps(through.state()))
+    assert resumed.scalars == through.scalars and resumed.ranks == through.ranks
+    assert resumed.best("loss") == through.best("loss") and resumed.checkpoints == through.checkpoints
+
+
+def test_a_history_cut_at_an_older_checkpoint_drops_what_came_after():
+    """A job resumed from an older checkpoint than the history's last: the steps after it are gone, extremes too."""
+    h = History(max_points=100)
+    _fill(h, 1, 40)
+    cut = History.from_state(h.state(), upto=20)
+    assert max(s for s, _ in cut.scalars["loss"]) == 20 and cut.scalars["loss"][0] == (1, 10.0)
+    assert cut.best("loss") == (20, 0.5) and cut.best("stage", lowest=False) == (1, 0.0)
+    assert [s for s, _, _ in cut.checkpoints] == [10, 20] and max(s for s, _ in cut.ranks) == 20

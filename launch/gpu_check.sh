@@ -29,14 +29,22 @@
 # Each step is bounded by `timeout` and by what is left of the budget; a failed step does not stop the others.
 # Exit 0 only if every step passed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+usage() { sed -n '2,30p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -ge 1 ] || { sed -n '3,30p' "$0" >&2; exit 2; }
+while [ $# -gt 0 ]; do   # the options, then OUTDIR: a mistyped option must not become the output folder
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*)        echo "gpu_check: unknown option '$1'" >&2; usage >&2; exit 2 ;;
+    *)         break ;;
+  esac
+done
+[ $# -ge 1 ] || { usage >&2; exit 2; }
 OUT=$1; shift
 MODE=gpu
 if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; shift; fi
 [ $# -eq 0 ] || { echo "gpu_check: unexpected arguments: $*" >&2; exit 2; }
+cd "$(dirname "$0")/.."
 
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python3; fi

@@ -5,10 +5,19 @@
 #   --dry-run   print the pip commands and exit
 # env:   PIP (default: the venv's pip, else pip3), PYVER (default 3.12)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+usage() { sed -n '2,6p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
+while [ $# -gt 0 ]; do   # the options, then DIR: a mistyped option must not become a folder of wheels
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*)        echo "gpu_wheels: unknown option '$1'" >&2; usage >&2; exit 2 ;;
+    *)         break ;;
+  esac
+done
+[ $# -le 1 ] || { echo "gpu_wheels: one DIR at most, got: $*" >&2; usage >&2; exit 2; }
 DIR=${1:-.whl}
+cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
 if [ -z "${PIP:-}" ]; then
   if [ -x .venv/bin/pip ]; then PIP=.venv/bin/pip; else PIP=pip3; fi

@@ -6,12 +6,16 @@
 # env:   NP (total processes, default: this node's GPUs, or 2 on CPU), MPIRUN (default: mpirun on PATH, the venv's first),
 #        MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), MPIRUN_ARGS (extra args, e.g. a hostfile),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh)
+# The trainer's options: comera pretrain --help.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-[ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
+usage() { sed -n '2,9p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+# --help first: otherwise mpirun would start NP trainers that each print their own help
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -gt 0 ] || { sed -n '4,8p' "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { usage >&2; exit 2; }
+cd "$(dirname "$0")/.."
+[ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 
 # MPI discovery would take the first address of `hostname -I`; force the rendezvous address
 # (loopback for one machine) so no rank ever listens on a public interface by accident.

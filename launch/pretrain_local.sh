@@ -6,8 +6,13 @@
 #   --dry-run   print the launch command, then the model/compression/DeepSpeed summary, and exit
 # env:   CONFIG (default configs/codebert-tiny-cpu.yaml), NPROC (default: the GPUs, or 2 on CPU), MASTER_PORT
 #        (default 29500), DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; launch/accelerator.sh)
-# Run launch/setup.sh once first.
+# Run launch/setup.sh once first. The trainer's options: comera pretrain --help.
 set -euo pipefail
+# --help first (the header above; before the cd, while $0 resolves): otherwise deepspeed would start
+# NPROC trainers that each print their own help
+case "${1:-}" in -h|--help) sed -n '2,9p' "$0"; exit 0 ;; esac
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 cd "$(dirname "$0")/.."
 [ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 
@@ -15,8 +20,6 @@ CONFIG=${CONFIG:-configs/codebert-tiny-cpu.yaml}
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
 NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
 MASTER_PORT=${MASTER_PORT:-29500}
-DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 
 # No hub access (the corpus and tokenizer are built locally).
 export TOKENIZERS_PARALLELISM=false
@@ -26,7 +29,8 @@ export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cmd=(deepspeed --num_gpus "$NPROC" --master_addr 127.0.0.1 --master_port "$MASTER_PORT"
      launch/train.py --config "$CONFIG" "$@")
 if [ "$DRY_RUN" = 1 ]; then
-  echo "would run: DS_ACCELERATOR=$DS_ACCELERATOR ${cmd[*]}"
+  # stderr: stdout is the trainer's summary alone, so --dry-run --json pipes into a JSON reader
+  echo "would run: DS_ACCELERATOR=$DS_ACCELERATOR ${cmd[*]}" >&2
   exec python launch/train.py --config "$CONFIG" --world-size "$NPROC" --dry-run "$@"
 fi
 exec "${cmd[@]}"

@@ -5,8 +5,16 @@
 #                                     the tests start for real (Slurm, munge, Prometheus, OpenMPI)
 # env:   TORCH_SPEC (default 'torch==2.13.0+cpu'), VENV (default .venv)
 set -euo pipefail
+usage() { sed -n '2,6p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+# anything but --dev stops here: --help (or a typo) must not start a pip install
+DEV=0
+case "$*" in
+  "")        ;;
+  --dev)     DEV=1 ;;
+  -h|--help) usage; exit 0 ;;
+  *)         echo "setup.sh: unexpected arguments: $*" >&2; usage >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
-DEV=0; [ "${1:-}" = "--dev" ] && DEV=1
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 

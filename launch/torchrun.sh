@@ -6,12 +6,16 @@
 #        (default 0), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
 #        TORCHRUN (default torchrun; e.g. "python3 -m torch.distributed.run" where no torchrun is on PATH)
+# The trainer's options: comera pretrain --help.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-[ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
+usage() { sed -n '2,9p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+# --help first: otherwise torchrun would start NPROC trainers that each print their own help
+case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-[ $# -gt 0 ] || { sed -n '3,8p' "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { usage >&2; exit 2; }
+cd "$(dirname "$0")/.."
+[ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
 NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}

@@ -7,6 +7,11 @@
 # trainer installs its own handler), and this wrapper also relays USR1/TERM to torchrun's workers by
 # parent PID for process-tracking plugins that signal only the task itself.
 set -euo pipefail
+# --help (or nothing) stops here: torchrun would answer with its own help, or start nothing useful
+case "${1:-}" in
+  -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+  "")        sed -n '2,8p' "$0" >&2; exit 2 ;;
+esac
 # this node's address as Slurm knows it: emulated nodes share one host under unresolvable names
 if [ -n "${SLURMD_NODENAME:-}" ]; then
   LOCAL_ADDR=$(scontrol show node "$SLURMD_NODENAME" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)

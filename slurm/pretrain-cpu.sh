@@ -15,6 +15,8 @@
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
+# its own header, not pretrain.sh's (which the exec below would print), and where the full options are
+case "${1:-}" in -h|--help) sed -n '2,6p' "$0"; echo "(slurm/pretrain.sh --help: the options and env in full)"; exit 0 ;; esac
 ROOT=${COMERA_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 export COMERA_DEVICE=cpu
 # exec keeps this PID, so Slurm's USR1 for the batch shell reaches pretrain.sh's trap

@@ -25,8 +25,12 @@
 set -euo pipefail
 
 DRY_RUN=${COMERA_DRY_RUN:-0}
+case "${1:-}" in -h|--help) sed -n '2,13p' "$0"; exit 0 ;; esac
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-if [ $# -lt 1 ]; then sed -n '3,9p' "$0" >&2; exit 2; fi
+case "${1:-}" in
+  "") sed -n '3,9p' "$0" >&2; exit 2 ;;
+  -*) echo "pretrain.sh: unknown option '$1' (CONFIG first, then --set key=value ...)" >&2; sed -n '3,9p' "$0" >&2; exit 2 ;;
+esac
 CONFIG=$1; shift
 
 # sbatch runs a copy of this file from the spool directory: find the repository explicitly
@@ -40,7 +44,8 @@ TRAIN_SCRIPT=$COMERA_TRAIN_SCRIPT
 
 DEVICE=${COMERA_DEVICE:-gpu}
 case "$DEVICE" in
-  gpu) NPROC=${COMERA_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}}
+  # grep, not wc -l: with no GPU nvidia-smi -L may still print a line ("No devices were found")
+  gpu) NPROC=${COMERA_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)}}
        # DeepSpeed's cuda accelerator: NCCL, one GPU per rank (engine/distributed.py sets it before the group)
        export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} ;;
   cpu) NPROC=${COMERA_NPROC_PER_NODE:-2}
@@ -48,7 +53,19 @@ case "$DEVICE" in
        export DS_ACCELERATOR=cpu OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ;;
   *)   echo "pretrain.sh: COMERA_DEVICE must be gpu or cpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
-[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "pretrain.sh: no processes per node (COMERA_NPROC_PER_NODE='$NPROC')" >&2; exit 2; }
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+  if [ -n "${COMERA_NPROC_PER_NODE:-}" ]; then
+    echo "pretrain.sh: COMERA_NPROC_PER_NODE must be a positive integer, got '$COMERA_NPROC_PER_NODE'" >&2; exit 2
+  elif [ "$DRY_RUN" = 1 ]; then
+    # a login node has no GPU: show the command with the count a GPU node fills in, not an error
+    NPROC="<GPUs-per-node>"
+    echo "pretrain.sh: no GPU on this node; in the job --nproc-per-node is the node's GPU count" \
+         "(SLURM_GPUS_ON_NODE, else nvidia-smi), or COMERA_NPROC_PER_NODE" >&2
+  else
+    echo "pretrain.sh: no GPU found on this node (nvidia-smi lists none); set COMERA_DEVICE=cpu" \
+         "(slurm/pretrain-cpu.sh) or COMERA_NPROC_PER_NODE" >&2; exit 2
+  fi
+fi
 
 # Rendezvous on the first node of the allocation. Its NodeAddr is what other nodes reach (emulated
 # nodes share one host and their names do not resolve, so never use the bare node name).

@@ -3,7 +3,10 @@ command (one process each, milliseconds; the real 2-rank jobs are in tests/distr
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,6 +14,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = "configs/tiny-cpu.yaml"
+SCRIPTS = ["launch/accelerator.sh", "launch/gpu_check.sh", "launch/gpu_wheels.sh", "launch/mpirun.sh",
+           "launch/pretrain_local.sh", "launch/setup.sh", "launch/test.sh", "launch/torchrun.sh",
+           "slurm/node_launch.sh", "slurm/pretrain-cpu.sh", "slurm/pretrain.sh"]
+# What a script could start: each is a stub on PATH (or named by the variable the script reads) that logs its call.
+STUBS = ["pip", "pip3", "python", "python3", "deepspeed", "torchrun", "mpirun", "srun", "scontrol", "scancel",
+         "sbatch", "apt-get", "sudo"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -40,3 +49,103 @@ def test_launch_scripts_dry_run_print_the_command():
     for script in ("launch/torchrun.sh", "launch/mpirun.sh"):
         p = run(script)  # no trainer arguments: the usage, exit 2
         assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_every_launch_and_slurm_script_is_listed():
+    assert sorted(SCRIPTS) == sorted(str(p.relative_to(REPO)) for d in ("launch", "slurm") for p in (REPO / d).glob("*.sh"))
+
+
+class Sandbox:
+    """A copy of launch/ and slurm/ (no venv, nothing installed) run from an empty working directory, with
+    every program a script could start replaced by a stub that logs its call: a script that starts nothing
+    leaves the log empty, and one that writes nothing leaves both folders as they were."""
+
+    def __init__(self, root: Path) -> None:
+        self.repo, self.cwd, bindir, self.calls = root / "repo", root / "cwd", root / "bin", root / "calls.log"
+        for d in ("launch", "slurm"):
+            shutil.copytree(REPO / d, self.repo / d)
+        for d in (self.cwd, bindir, root / "venv/bin"):
+            d.mkdir(parents=True)
+        self.calls.touch()
+        for name in STUBS + ["nvidia-smi"]:
+            stub = bindir / name
+            # nvidia-smi as on a login node without a GPU: a line that is no GPU, exit 6
+            body = 'echo "No devices were found"; exit 6' if name == "nvidia-smi" else "exit 0"
+            stub.write_text(f'#!/bin/sh\necho "$(basename "$0") $*" >> {self.calls}\n{body}\n')
+            stub.chmod(0o755)
+            if name in ("python", "pip"):  # setup.sh's VENV
+                (root / "venv/bin" / name).symlink_to(stub)
+        keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "COMERA_", "DS_", "NPROC", "NP"))}
+        self.env = keep | {"PATH": f"{bindir}:/usr/bin:/bin", "VENV": str(root / "venv"), "PIP": str(bindir / "pip"),
+                           "PYTHON": str(bindir / "python"), "TORCHRUN": str(bindir / "torchrun"),
+                           "MPIRUN": str(bindir / "mpirun"), "COMERA_HOME": str(self.repo)}
+        self.before = self.files()
+
+    def files(self) -> set[str]:
+        return {str(p) for d in (self.repo, self.cwd) for p in d.rglob("*")}
+
+    def run(self, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(self.repo / script), *args], cwd=self.cwd, env=self.env | env,
+                              capture_output=True, text=True, timeout=10, check=False)
+
+    def started(self) -> str:
+        return self.calls.read_text()
+
+    def made(self) -> set[str]:
+        return self.files() - self.before
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_prints_the_usage_and_does_nothing(script, flag, tmp_path):
+    box = Sandbox(tmp_path)
+    p = box.run(script, flag)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^# usage\b", p.stdout, re.MULTILINE), p.stdout  # the header's usage line, on stdout
+    assert box.started() == "", box.started()
+    assert box.made() == set()
+
+
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/mpirun.sh", "launch/pretrain_local.sh"])
+def test_trainer_launchers_help_names_the_trainers_options(script, tmp_path):
+    assert "comera pretrain --help" in Sandbox(tmp_path).run(script, "--help").stdout
+
+
+@pytest.mark.parametrize("args", [["launch/gpu_wheels.sh", "--hlep"], ["launch/gpu_wheels.sh", "--dry-run", "--hlep"],
+                                  ["launch/gpu_wheels.sh", "a", "b"], ["launch/gpu_check.sh", "--hlep"],
+                                  ["launch/gpu_check.sh", "--dry-run", "--hlep"], ["launch/setup.sh", "--hlep"],
+                                  ["launch/setup.sh", "--dev", "x"], ["slurm/pretrain.sh", "--hlep"],
+                                  ["slurm/pretrain.sh", "--dry-run", "--hlep"], ["slurm/node_launch.sh"],
+                                  ["launch/accelerator.sh"]], ids=" ".join)
+def test_a_mistyped_option_is_a_usage_error_not_a_folder(args, tmp_path):
+    box = Sandbox(tmp_path)
+    p = box.run(*args)
+    assert p.returncode == 2 and re.search(r"^# usage\b", p.stderr, re.MULTILINE), p.stdout + p.stderr
+    assert box.started() == "" and box.made() == set(), (box.started(), box.made())
+
+
+def test_pretrain_local_dry_run_json_stdout_is_the_json():
+    p = subprocess.run(["launch/pretrain_local.sh", "--dry-run", "--json"], cwd=REPO, env=_env(CONFIG=TINY, NPROC="2"),
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["world_size"] == 2  # nothing else on stdout
+    assert "would run: DS_ACCELERATOR=cpu deepspeed --num_gpus 2 " in p.stderr
+
+
+def test_slurm_dry_run_needs_no_gpu_and_a_real_run_says_what_is_missing(tmp_path):
+    box = Sandbox(tmp_path)  # nvidia-smi there lists no GPU, as on a login node
+    (box.repo / "configs").mkdir()
+    (box.repo / TINY).write_text("")
+    p = box.run("slurm/pretrain.sh", "--dry-run", TINY)
+    assert p.returncode == 0, p.stderr
+    assert "--nproc-per-node <GPUs-per-node> --rdzv-backend c10d" in p.stdout and "device gpu" in p.stdout
+    assert "COMERA_NPROC_PER_NODE" in p.stderr
+    p = box.run("slurm/pretrain.sh", "--dry-run", TINY, COMERA_NPROC_PER_NODE="4")
+    assert p.returncode == 0 and "--nproc-per-node 4 " in p.stdout, p.stderr
+    p = box.run("slurm/pretrain.sh", TINY)  # not a dry run: a clear error before anything starts
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "pretrain.sh: no GPU found on this node (nvidia-smi lists none); set COMERA_DEVICE=cpu "
+        "(slurm/pretrain-cpu.sh) or COMERA_NPROC_PER_NODE"), p.stderr
+    assert "srun" not in box.started(), box.started()
+    p = box.run("slurm/pretrain.sh", "--dry-run", TINY, COMERA_NPROC_PER_NODE="0")
+    assert p.returncode == 2 and "COMERA_NPROC_PER_NODE must be a positive integer, got '0'" in p.stderr

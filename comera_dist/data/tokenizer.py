@@ -9,16 +9,18 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from comera_dist.data import cache
 from comera_dist.data.config import TokenizerConfig
 from comera_dist.data.errors import DataError
+from comera_dist.data.packing import separator_id
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,10 @@ def save_run_tokenizer(tok: PreTrainedTokenizerBase, path: Path) -> None:
                 return
         log.info("tokenizer: replacing %s, another run's", path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=path.parent))
+    # A plain mkdir, not mkdtemp: the published directory gets the mode (umask, default ACLs) of any directory
+    # made there, as the checkpoints do, not mkdtemp's 0700 that locks teammates out of evaluating the run.
+    tmp = path.parent / f".tokenizer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     tok.save_pretrained(str(tmp))
     aside = None
     if path.is_dir():
@@ -146,6 +151,30 @@ def save_run_tokenizer(tok: PreTrainedTokenizerBase, path: Path) -> None:
     os.replace(tmp, path)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def save_export_tokenizer(src: Path, out: Path, *, max_length: int, objective: str,
+                          pair_type_id: int = 1) -> None:
+    """Write the run tokenizer saved at ``src`` into ``out`` (an export directory), set for the exported model.
+
+    The run's copy keeps ``model_max_length`` 10**9 (packing tokenizes whole documents); the export's is
+    ``max_length`` (the model's ``max_positions``), so ``tok(text, truncation=True)`` fits its position table.
+    An ``mlm`` run's blocks are ``[CLS] chunk [SEP]`` (``data/packing.py``), so its export adds them:
+    ``[CLS] $A [SEP]``, pairs ``[CLS] $A [SEP] $B [SEP]`` with ``pair_type_id`` on the second segment (0 for a
+    model with one token type). A ``causal`` run's blocks are plain windows of the document stream (each
+    document's ids, then its ``[SEP]``), so a prompt's ids are its text's: its export adds no template."""
+    tok = load_tokenizer(src)
+    tok.model_max_length = max_length
+    if objective == "mlm" and tok.is_fast:  # a slow (python) tokenizer adds its own [CLS]/[SEP]
+        if tok.cls_token_id is None:
+            raise DataError(f"tokenizer {src}: an mlm run's tokenizer has no cls_token")
+        cls, sep = (tok.cls_token_id, separator_id(tok))
+        names = tok.convert_ids_to_tokens([cls, sep])
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{names[0]} $A {names[1]}",
+            pair=f"{names[0]} $A {names[1]} $B:{pair_type_id} {names[1]}:{pair_type_id}",
+            special_tokens=[(names[0], cls), (names[1], sep)])
+    tok.save_pretrained(str(out))
 
 
 def _pretrained_dir(name: str) -> Path:

@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from comera_dist.data.collators import collator_for
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import eval_batches
 from comera_dist.data.prepare import check_compat, evaluation_corpus
-from comera_dist.data.tokenizer import load_tokenizer
+from comera_dist.data.tokenizer import load_tokenizer, save_export_tokenizer
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.device import batches_to_device
 from comera_dist.engine.errors import InputError
@@ -175,7 +175,10 @@ def _publish_dir(out: Path) -> Iterator[Path]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out}: exists and is not an empty directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # A plain mkdir, not mkdtemp: the export gets the mode (umask, default ACLs) of any directory made there,
+    # not mkdtemp's 0700 that locks teammates on a shared cluster out of it.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
         yield tmp
         if out.exists():
@@ -212,8 +215,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "de
             torch.save(run.state, tmp / CONSOLIDATED)
             shutil.copy(run.path / ckpt.CONFIG, tmp / ckpt.CONFIG)
             shutil.copy(run.path / ckpt.META, tmp / ckpt.META)
-        if run.tokenizer_dir.is_dir():
-            for f in run.tokenizer_dir.iterdir():
-                if f.is_file() and not (tmp / f.name).exists():
-                    shutil.copy(f, tmp / f.name)
+        if run.tokenizer_dir.is_dir():  # every format's copy is set for the exported model, not for packing
+            model = run.cfg.model
+            try:
+                save_export_tokenizer(run.tokenizer_dir, tmp, max_length=model.max_positions,
+                                      objective=run.cfg.data.objective, pair_type_id=int(model.type_vocab_size > 1))
+            except DataError as e:  # a damaged <run>/tokenizer
+                raise InputError(str(e)) from e
     return out

@@ -2,7 +2,8 @@
 a stale temporary tag, retention by ``keep`` alone, ``latest`` naming a missing or incomplete checkpoint,
 and ``resolve`` / ``choose`` given a checkpoints root or one checkpoint.
 
-A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group, so
+A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group (the
+``engine`` fixture of tests/unit/conftest.py), so
 ``save`` runs its real collectives and DeepSpeed writes its real files. Retention with
 ``keep_every`` and ``latest`` protection is in test_checkpoint_manifest.py; 2-rank saves, corruption
 and resume in tests/distributed.
@@ -10,7 +11,6 @@ and resume in tests/distributed.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,27 +19,6 @@ import torch
 from comera_dist.engine import checkpoint as ckpt
 
 MODEL = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """A DeepSpeed engine in a one-process group on a free port; the group is destroyed after the module."""
-    import deepspeed
-    import deepspeed.comm as dist
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-        model = torch.nn.Linear(4, 4)
-        eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
-        yield eng
-        dist.destroy_process_group()
 
 
 def _save(engine, root: Path, step: int, weight: float = 0.0, *, keep: int = 10, retain: bool = True) -> Path:

@@ -2,14 +2,13 @@
 replaced back (and a crash at each step of that leaves ``resume auto`` a verified step), and every file of a
 checkpoint reaches the disk (fsync) before its manifest vouches for it.
 
-A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group, as in
-test_checkpoint_retention.py, so ``save`` runs its real collectives and DeepSpeed writes its real files.
+A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group (the ``engine``
+fixture of tests/unit/conftest.py), so ``save`` runs its real collectives and DeepSpeed writes its real files.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,27 +17,6 @@ import torch
 from comera_dist.engine import checkpoint as ckpt
 
 MODEL = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """A DeepSpeed engine in a one-process group on a free port; the group is destroyed after the module."""
-    import deepspeed
-    import deepspeed.comm as dist
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-        model = torch.nn.Linear(4, 4)
-        eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
-        yield eng
-        dist.destroy_process_group()
 
 
 def _save(engine, root: Path, step: int, weight: float) -> Path:

@@ -3,8 +3,8 @@ a stale temporary tag, retention by ``keep`` alone, ``latest`` naming a missing 
 and ``resolve`` / ``choose`` given a checkpoints root or one checkpoint.
 
 A real DeepSpeed engine (ZeRO 0, CPU, one linear layer) as rank 0 of a one-process gloo group (the
-``engine`` fixture of tests/unit/conftest.py), so
-``save`` runs its real collectives and DeepSpeed writes its real files. Retention with
+``engine`` fixture of tests/unit/conftest.py), so ``save`` runs its real collectives and DeepSpeed writes
+its real files. Retention with
 ``keep_every`` and ``latest`` protection is in test_checkpoint_manifest.py; 2-rank saves, corruption
 and resume in tests/distributed.
 """

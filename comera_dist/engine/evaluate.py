@@ -80,6 +80,7 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     # it prints its progress on stdout, which is the commands' result (`comera evaluate --json`, export's path)
+    # and a library caller's own output (``load_run`` in-process)
     with contextlib.redirect_stdout(sys.stderr):
         return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
 

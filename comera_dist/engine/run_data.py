@@ -141,7 +141,7 @@ def resume_tokenizer_dir(output_dir: Path, resume: str) -> Path | None:
     else:
         path = Path(resume)
         root = path if ckpt.complete_checkpoints(path) else path.parent
-    found = root.is_dir() and (ckpt.complete_checkpoints(root) or any(root.glob(".tmp-*")))
+    found = root.is_dir() and (ckpt.complete_checkpoints(root) or any(root.glob(f"{ckpt.TMP_PREFIX}*")))
     tokenizer = root.parent / "tokenizer"
     return tokenizer if found and tokenizer.is_dir() else None
 

@@ -58,6 +58,21 @@ def quiet_all_gather_deprecation() -> None:
     warnings.filterwarnings("ignore", message=ALL_GATHER_DEPRECATED, category=FutureWarning)
 
 
+BARRIER_DEVICE_NOTICE = r"barrier\(\): using the device under current context"
+
+
+def quiet_barrier_device_notice() -> None:
+    """Ignore torch's UserWarning that ``barrier()`` uses "the device under current context", for the whole
+    process.
+
+    torch warns when an NCCL group has no bound device. DeepSpeed 0.19.8 binds none in a one-rank job (its
+    ``init_process_group`` skips ``device_id`` at world size 1, DeepSpeed issue 8248), so every single-GPU run
+    printed it at its barriers (DeepSpeed's and ours; the fourth H200 lease's logs). ``init_distributed`` selects
+    this rank's device before the group starts, so the device under current context is the right one. Other
+    warnings are left alone."""
+    warnings.filterwarnings("ignore", message=BARRIER_DEVICE_NOTICE, category=UserWarning)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -126,6 +141,7 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     disable_shm_op()
     quiet_all_gather_deprecation()
+    quiet_barrier_device_notice()
     source = discover_ranks()
     accelerator = get_accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -24,7 +24,8 @@ MAX_RANK_SNAPSHOTS = 2_000
 
 @dataclass(slots=True)
 class _Thinned(Generic[T]):
-    """Evenly spaced ``(step, item)`` points of a stream, plus its latest point."""
+    """Evenly spaced ``(step, item)`` points of a stream, plus its latest point; one point per step (a value
+    logged again at the latest point's step replaces it)."""
 
     max_points: int
     points: list[tuple[int, T]] = field(default_factory=list)
@@ -34,6 +35,9 @@ class _Thinned(Generic[T]):
     """Whether ``points[-1]`` is the latest point held only until the next one (not a sampled point)."""
 
     def add(self, step: int, item: T) -> None:
+        if self.points and self.points[-1][0] == step:  # the same step again (a resumed job's starting values):
+            self.points[-1] = (step, item)              # one point per step, the latest value
+            return
         if self.tail:
             self.points.pop()
         sampled = self.seen % self.stride == 0

@@ -5,6 +5,7 @@ rewrote it empty."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -44,5 +45,11 @@ def test_a_resumed_job_reports_the_whole_run(tmp_path):
     assert "- late stage from step 3" in first and "- late stage from step 3" in resumed, resumed
     assert _row(resumed, "train_loss")[0] == _row(first, "train_loss")[0]  # the run's first value, not step 5's
     assert _row(resumed, "stage")[0] == "0"
+    saved = json.loads((out / "metrics_history.json").read_text())["history"]  # as of the step-6 checkpoint
+    twice = {key: steps for key, data in saved["scalars"].items()
+             if len(steps := [s for s, _ in data["points"]]) != len(set(steps))}
+    assert not twice, f"the resumed job logged its starting step again: {twice}"
+    rank_steps = [s for s, _ in saved["ranks"]["points"]]
+    assert len(rank_steps) == len(set(rank_steps)), rank_steps
     again = _pretrain(out, cache, 6)  # a finished run started again: nothing to train, the report stays whole
     assert _row(again, "train_loss") == _row(resumed, "train_loss") and "- checkpoints: 3 saved" in again, again

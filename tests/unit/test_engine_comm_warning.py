@@ -14,8 +14,12 @@ import torch
 import torch.distributed as tdist
 from deepspeed.comm.torch import TorchBackend
 
-from comera_dist.engine.distributed import (ALL_GATHER_DEPRECATED, BARRIER_DEVICE_NOTICE, quiet_all_gather_deprecation,
-                                            quiet_barrier_device_notice)
+from comera_dist.engine.distributed import (
+    ALL_GATHER_DEPRECATED,
+    BARRIER_DEVICE_NOTICE,
+    quiet_all_gather_deprecation,
+    quiet_barrier_device_notice,
+)
 
 
 def _deepspeed_all_gather() -> None:

@@ -122,3 +122,21 @@ def test_a_history_cut_at_an_older_checkpoint_drops_what_came_after():
     assert max(s for s, _ in cut.scalars["loss"]) == 20 and cut.scalars["loss"][0] == (1, 10.0)
     assert cut.best("loss") == (20, 0.5) and cut.best("stage", lowest=False) == (1, 0.0)
     assert [s for s, _, _ in cut.checkpoints] == [10, 20] and max(s for s, _ in cut.ranks) == 20
+
+
+@pytest.mark.parametrize("budget", [4, 100])
+def test_a_step_logged_again_keeps_one_point_with_the_latest_value(budget):
+    """A resumed job logs its starting values at the checkpoint's step, which the continued history already
+    holds: one point per step (the series' steps stay distinct), and thinning counts that step once."""
+    once, again = History(max_points=budget), History(max_points=budget)
+    for step in range(1, 41):
+        once.add_scalars({"ratio": float(step)}, step)
+        again.add_scalars({"ratio": float(step) - (0.5 if step == 20 else 0.0)}, step)
+        if step == 20:
+            again.add_scalars({"ratio": 20.0}, 20)
+            again.add_ranks({"layer": [2]}, 20)
+        again.add_ranks({"layer": [1]}, step)
+        once.add_ranks({"layer": [1]}, step)
+    assert again.scalars == once.scalars and again.ranks == once.ranks
+    steps = [s for s, _ in again.scalars["ratio"]]
+    assert len(steps) == len(set(steps))

@@ -214,6 +214,8 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     for path in complete_checkpoints(root)[:-keep]:
         if path.name in protected or (keep_every > 0 and step_of(path) % keep_every == 0):
             continue
+        # the marker first: a reader (``comera evaluate`` on the live run) sees at once that it is going
+        (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     for path in root.glob(TMP_PREFIX + "*"):

@@ -9,6 +9,7 @@ merged by DeepSpeed's ``zero_to_fp32``). The tokenizer is the one the run saved 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -41,6 +42,10 @@ from comera_dist.metrics.progress import terminal_progress
 from comera_dist.models.gpt import GPT
 
 CONSOLIDATED = "consolidated_fp32.pt"
+READ_ATTEMPTS = 3
+"""How often ``load_run`` reads a run's newest checkpoint when retention deletes it meanwhile."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -107,6 +112,10 @@ def _tokenizer_dir(path: Path, cfg: RunConfig) -> Path:
 def load_run(spec: str | Path) -> LoadedRun:
     """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights.
 
+    ``spec`` a run (or its ``checkpoints/``) directory: its newest complete checkpoint. A live run's retention
+    may delete that one while it is read (a newer one was saved): it is then located and read again, up to
+    ``READ_ATTEMPTS`` times. A checkpoint directory named itself is read once.
+
     The checkpoint's files are verified against its manifest first (sizes and digests, as a resume
     does): a corrupted or truncated file is an ``InputError`` naming it, never a silently wrong
     evaluation or export. A run directory whose newest checkpoint is damaged is an error too (no
@@ -114,7 +123,27 @@ def load_run(spec: str | Path) -> LoadedRun:
     detects corruption, not tampering, and the weights are read with ``weights_only=False`` (ours at
     ZeRO 0, DeepSpeed's ``zero_to_fp32`` above): every shard passes ``ckpt.verify_weights_only`` first.
     """
-    path = locate(spec)
+    explicit = ckpt.is_complete(Path(spec))
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        path = locate(spec)
+        try:
+            return _load(path)
+        except Exception as e:
+            if ckpt.is_complete(path):  # not deleted under us: the failure is the checkpoint's own
+                raise
+            if explicit:
+                raise InputError(f"--checkpoint {path} was deleted while it was read ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from e
+            if attempt < READ_ATTEMPTS:
+                log.warning("checkpoint %s was deleted while it was read (the live run kept a newer one); reading "
+                            "the newest again (attempt %d of %d)", path, attempt + 1, READ_ATTEMPTS)
+    raise InputError(f"--checkpoint {spec}: its newest checkpoint was deleted while it was read, "
+                     f"{READ_ATTEMPTS} times in a row (the run saves and prunes its checkpoints faster than one can "
+                     "be read); pass a kept checkpoint's directory (train.keep_every) or raise train.keep_checkpoints")
+
+
+def _load(path: Path) -> LoadedRun:
+    """``load_run`` of the checkpoint directory ``path``."""
     problems = ckpt.check(path)
     if problems:
         raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems))

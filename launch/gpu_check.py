@@ -138,6 +138,11 @@ HOST_PHASES = {  # label -> the function (bench.host_profile's naming) whose cum
     "all_reduce": r"torch/distributed/distributed_c10d\.py:\d+\(all_reduce\)",
     "torch optimizer": r"torch/optim/optimizer\.py:\d+\(wrapper\)",
     "session reads": r"comera_dist/engine/session\.py:\d+\(_after_step\)",
+    # the trainer loop's own work around the session step (its "trainer loop" profile)
+    "batch fetch": r"comera_dist/engine/run_data\.py:\d+\(next_train_batches\)",
+    "device synchronize": r"deepspeed/accelerator/\w+_accelerator\.py:\d+\(synchronize\)",
+    "step metrics": r"comera_dist/engine/trainer\.py:\d+\(_step_metrics\)",
+    "metrics log": r"comera_dist/metrics/core\.py:\d+\(log\)",
 }
 """The phases of a bare or session step that the summary prints from its cumulative host profile, so a GPU
 run says at a glance whether DeepSpeed's forward, backward or step holds the trainer's host time."""
@@ -147,8 +152,9 @@ def _host_phases(profile: dict) -> dict[str, float]:
     """A trainer-rate ``host_profile`` -> ``{phase: ms per step}`` for each ``HOST_PHASES`` entry found among
     its cumulative rows (the first match: the rows are sorted by cumulative time)."""
     phases = {}
+    rows = profile["by_cumulative"] + profile.get("root_rows", [])  # the trainer loop's own calls too
     for label, pattern in HOST_PHASES.items():
-        row = next((r for r in profile["by_cumulative"] if re.fullmatch(pattern, r["function"])), None)
+        row = next((r for r in rows if re.fullmatch(pattern, r["function"])), None)
         if row is not None:
             phases[label] = 1e3 * row["cum_s"]
     return phases

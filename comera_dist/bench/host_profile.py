@@ -39,9 +39,33 @@ def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative
             fn()
     finally:
         profiler.disable()
+    return profile_rows(profiler, runs, n, n_cumulative)
+
+
+def profile_rows(profiler: cProfile.Profile, runs: int, n: int = 25, n_cumulative: int = 60, *,
+                 roots: bool = False) -> dict[str, Any]:
+    """``host_profile``'s result from a ``profiler`` that recorded ``runs`` repetitions some other way (e.g.
+    enabled and disabled around whole iterations of the trainer's loop). ``roots``: also ``root_rows``, the
+    calls made from frames that began before the profiler did, with their cumulative time (for a loop profiled
+    from inside it: the loop's own calls, its phases, however small beside the step's nested calls)."""
     stats = pstats.Stats(profiler).stats
-    return {"runs": runs, "by_self": _top(stats, SELF, n, runs),
-            "by_cumulative": _top(stats, CUMULATIVE, n_cumulative, runs)}
+    result = {"runs": runs, "by_self": _top(stats, SELF, n, runs),
+              "by_cumulative": _top(stats, CUMULATIVE, n_cumulative, runs)}
+    if roots:
+        result["root_rows"] = _roots(stats, runs)
+    return result
+
+
+def _roots(stats: dict, runs: int) -> list[dict[str, Any]]:
+    """Each function's calls with no profiled caller (the calls minus those its recorded callers made), by the
+    cumulative time of those calls."""
+    rows = []
+    for key, (_, calls, self_s, cum_s, callers) in stats.items():
+        by_callers = [sum(c[i] for c in callers.values()) for i in (1, 2, 3)]
+        if calls > by_callers[0]:
+            rows.append({"function": _name(key), "calls": (calls - by_callers[0]) / runs,
+                         "self_s": (self_s - by_callers[1]) / runs, "cum_s": (cum_s - by_callers[2]) / runs})
+    return sorted(rows, key=lambda r: r["cum_s"], reverse=True)
 
 
 def _top(stats: dict, column: int, n: int, runs: int) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ by ``config.load_run_config`` exactly as ``comera pretrain --set`` applies them)
    the way ``bench soak`` runs it: the same ``load_run_config`` + ``train()`` that the recorded
    ``command`` (``comera pretrain --config ... --set ... --resume none``) runs, DeepSpeed (ZeRO stage,
    precision, its AdamW) from the config, the real data pipeline (the corpus and tokenizer are
-   prepared first, or read from ``$COMERA_CACHE``). ``train.steps`` = ``--skip`` + ``--steps``; no
+   prepared first, or read from ``$COMERA_CACHE``). ``train.steps`` = ``--skip`` + ``--steps`` + 4 (below); no
    evaluation or checkpoint inside the timed steps (the trainer always evaluates at step 0 and
    evaluates and checkpoints after the last step, outside every step's timing); no Prometheus,
    progress bar or report; the periodic compression report only after the last step.
@@ -51,7 +51,10 @@ the bare step captured in one CUDA graph, ``targets``).
    ``config["profile"]`` holds the top ops (self CPU time) of one bare step and one session step, and
    ``config["host_profile"]`` their top Python functions by own and by cumulative time, per step over 5
    profiled steps (``bench.host_profile``, cProfile): the host work between the ops (DeepSpeed's
-   bookkeeping, hooks, the session's objective), and which phase holds it.
+   bookkeeping, hooks, the session's objective), and which phase holds it. ``config["host_profile"]["trainer
+   loop"]`` is the same view of 3 whole iterations of the trainer's loop, run after its timed steps and left
+   out of every rate (one more step ends the profile): what the trainer adds around the session step (the
+   batch fetch, the device synchronize that ends each step's timing, the step's metrics and logging).
    ``host_ops_per_step_session``: the session step's top-level aten ops outside compiled graphs
    (``compile_stats.host_ops``, by the profiler), comparable between eager and ``train.compile`` runs.
    ``config["compile_counters"]`` (compiled runs) and ``config["cudagraph_trees"]`` (CUDA): what Dynamo
@@ -64,6 +67,7 @@ the bare step captured in one CUDA graph, ``targets``).
 
 from __future__ import annotations
 
+import cProfile
 import itertools
 import os
 import shlex
@@ -80,7 +84,7 @@ from torch import Tensor
 
 from comera_dist.bench.common import base_parser, single_rank_env, write_result
 from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, host_ops
-from comera_dist.bench.host_profile import host_profile
+from comera_dist.bench.host_profile import host_profile, profile_rows
 from comera_dist.bench.six_encoder import time_steps, top_ops
 from comera_dist.bench.summary import TARGETS
 
@@ -94,6 +98,8 @@ SMOKE_SETS = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_l
 TARGET = next(t for m, _, t, _ in TARGETS["trainer-rate"] if m == "trainer_rate_over_bench")
 """The trainer's rate over the bare step's it must reach (``bench.summary.TARGETS``, which judges the JSONs)."""
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+PROFILED_LOOP_STEPS = 3
+"""Trainer loop iterations profiled (cProfile) after the timed ones, and left out of every rate."""
 MLM_PROBABILITY = 0.15
 
 
@@ -135,6 +141,12 @@ def rate_rows(bench: dict[str, Any], session: dict[str, Any], trainer: dict[str,
              "step_s": trainer["tokens_per_step"] / trainer["tokens_per_s"]},
             {"contender": "trainer loop (wall)", "tokens_per_s": trainer["loop_tokens_per_s"],
              "step_s": trainer["tokens_per_step"] / trainer["loop_tokens_per_s"]}]
+
+
+def trainer_steps(skip: int, steps: int) -> int:
+    """The trainer run's ``train.steps``: the skipped and timed steps, the profiled loop iterations and the
+    step whose start ends their profile."""
+    return skip + steps + PROFILED_LOOP_STEPS + 1
 
 
 def trainer_sets(steps: int, out_dir: Path) -> list[str]:
@@ -268,13 +280,22 @@ def _single_rank_env(device: torch.device) -> None:
         raise SystemExit(f"trainer-rate: DS_ACCELERATOR={os.environ['DS_ACCELERATOR']} but --device {device}")
 
 
-def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]) -> Callable[[], None]:
+def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any],
+             profile_loop: tuple[cProfile.Profile, int, int] | None = None) -> Callable[[], None]:
     """Wrap ``train_step`` (start time of every step) and ``Metrics.close`` (keep the run's history);
-    returns the function that puts the real methods back."""
+    returns the function that puts the real methods back. ``profile_loop`` ``(profiler, first, count)``: the
+    profiler runs from the start of the ``first``-th ``train_step`` (1-based) to the start of the
+    ``first + count``-th, so it records ``count`` whole iterations of the trainer's loop."""
     step, close = session_cls.train_step, metrics_cls.close
 
     def train_step(self, *args, **kwargs):
         starts.append(time.perf_counter())
+        if profile_loop is not None:
+            profiler, first, count = profile_loop
+            if len(starts) == first:
+                profiler.enable()
+            elif len(starts) == first + count:
+                profiler.disable()
         return step(self, *args, **kwargs)
 
     def observed_close(self):
@@ -290,7 +311,10 @@ def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]
 
 
 def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: Path) -> dict[str, Any]:
-    """Train ``config`` for ``skip + steps`` steps in this process; the trainer's own per-step rates."""
+    """Train ``config`` for ``trainer_steps(skip, steps)`` steps in this process; the trainer's own per-step
+    rates over steps ``skip + 1 .. skip + steps``, then ``PROFILED_LOOP_STEPS`` whole loop iterations under
+    cProfile (``loop_profile``: the data fetch, the session step, the device synchronize, the metrics) and one
+    more step, whose start ends the profile."""
     from comera_dist.config import load_run_config
     from comera_dist.engine.device import accelerator_device
     from comera_dist.engine.session import TrainSession
@@ -300,7 +324,8 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
     cfg = load_run_config(config, sets)
     starts: list[float] = []
     histories: list[Any] = []
-    restore = _observe(TrainSession, Metrics, starts, histories)
+    profiler = cProfile.Profile()
+    restore = _observe(TrainSession, Metrics, starts, histories, (profiler, skip + steps + 1, PROFILED_LOOP_STEPS))
     t0 = time.perf_counter()
     try:
         status = train(cfg, resume=cfg.train.resume)
@@ -313,17 +338,18 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
     history = histories[-1]
     per_step = dict(history.scalars["tokens_per_second"])  # {step: tokens/s}, the trainer's own values
     stages = dict(history.scalars["stage"])
-    timed = [s for s in sorted(per_step) if s > skip]
-    if len(timed) != steps or len(starts) != skip + steps:
-        raise SystemExit(f"trainer-rate: expected {skip + steps} logged steps, got {sorted(per_step)}")
+    timed = [s for s in sorted(per_step) if skip < s <= skip + steps]
+    if len(timed) != steps or len(starts) != trainer_steps(skip, steps):
+        raise SystemExit(f"trainer-rate: expected {trainer_steps(skip, steps)} logged steps, got {sorted(per_step)}")
     tokens = trainer_tokens_per_step(cfg)
     waits = dict(history.scalars["data_wait_seconds"])
     step_times = dict(history.scalars["step_time_seconds"])
     return {"tokens_per_s": statistics.median(per_step[s] for s in timed),
             "data_wait_s": statistics.median(waits[s] for s in timed),
             "step_s": statistics.median(step_times[s] for s in timed),
-            "tokens_per_step": tokens, "loop_tokens_per_s": loop_tokens_per_s(tokens, starts[skip:]),
-            "per_step": per_step, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
+            "tokens_per_step": tokens, "loop_tokens_per_s": loop_tokens_per_s(tokens, starts[skip:skip + steps + 1]),
+            "loop_profile": profile_rows(profiler, PROFILED_LOOP_STEPS, roots=True),
+            "per_step": {s: v for s, v in per_step.items() if s <= skip + steps}, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
             "wall_seconds": wall, "cudagraph_trees": trees}
 
 
@@ -357,7 +383,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()  # the bench's model and optimizer are gone: the trainer's engine gets the memory
     with tempfile.TemporaryDirectory(prefix="comera-trainer-rate-") as tmp:
         out_dir = args.out or Path(tmp) / "run"
-        sets = trainer_sets(args.skip + steps, out_dir) + user_sets
+        sets = trainer_sets(trainer_steps(args.skip, steps), out_dir) + user_sets
         command = shlex.join(["comera", "pretrain", "--config", config,
                               *(a for s in sets for a in ("--set", s)), "--resume", "none"])
         trainer = trainer_rate(config, sets, args.skip, steps, out_dir)
@@ -386,12 +412,14 @@ def main(argv: list[str]) -> int:
         "micro_batch": cfg.deepspeed.micro_batch_size_per_gpu, "seq_len": cfg.data.seq_len,
         "precision": cfg.deepspeed.precision, "zero_stage": cfg.deepspeed.zero_stage, "world_size": 1,
         "bench_steps": steps, "bench_warmup": args.warmup, "bench_params": bench["params"],
-        "trainer_steps": args.skip + steps, "trainer_skipped_steps": args.skip,
+        "trainer_steps": trainer_steps(args.skip, steps), "trainer_skipped_steps": args.skip,
+        "trainer_timed_steps": steps, "trainer_profiled_steps": PROFILED_LOOP_STEPS,
         "trainer_tokens_per_step": trainer["tokens_per_step"],
         "trainer_tokens_per_second_by_step": {str(k): v for k, v in trainer["per_step"].items()},
         "trainer_late_stage_steps": trainer["late_stage_steps"], "trainer_wall_seconds": trainer["wall_seconds"],
         "profile": {"bench step": bench["profile"], "session step": session["profile"]},
-        "host_profile": {"bench step": bench["host_profile"], "session step": session["host_profile"]},
+        "host_profile": {"bench step": bench["host_profile"], "session step": session["host_profile"],
+                         "trainer loop": trainer["loop_profile"]},
         "bench_graph_error": None if graph is None else graph["error"],
         "compile_counters": compile_counters() if cfg.train.compile else None,  # trainer and session together
         "cudagraph_trees": {"trainer": trainer["cudagraph_trees"], "session": session["cudagraph_trees"]},

@@ -44,8 +44,18 @@ def test_trainer_rate_smoke(tmp_path):
     assert all(ops and ops[0]["calls"] >= 1 for ops in result["config"]["profile"].values())
     # by function: the session step's Python includes DeepSpeed's engine, the bare step's does not
     host = result["config"]["host_profile"]
-    assert set(host) == {"bench step", "session step"} and all(p["runs"] == 5 for p in host.values())
+    assert set(host) == {"bench step", "session step", "trainer loop"}
+    assert host["bench step"]["runs"] == host["session step"]["runs"] == 5 and host["trainer loop"]["runs"] == 3
     assert all(len(p["by_self"]) == 25 and len(p["by_cumulative"]) == 60 for p in host.values())
+    # the loop's profile holds whole iterations after the timed steps: its own calls (made by the trainer's
+    # `train`, which began before the profile) are one step, batch fetch, synchronize, metrics call and log each
+    loop = {r["function"]: r["calls"] for r in host["trainer loop"]["root_rows"]}
+    for pattern in (r"comera_dist/bench/trainer_rate\.py:\d+\(train_step\)",  # the bench's wrapper of it
+                    r"comera_dist/engine/run_data\.py:\d+\(next_train_batches\)",
+                    r"deepspeed/accelerator/cpu_accelerator\.py:\d+\(synchronize\)",
+                    r"comera_dist/engine/trainer\.py:\d+\(_step_metrics\)",
+                    r"comera_dist/metrics/core\.py:\d+\(log\)"):
+        assert [c for f, c in loop.items() if re.fullmatch(pattern, f)] == [1.0], (pattern, loop)
     assert all(r["self_s"] >= 0 and r["calls"] > 0 for p in host.values() for r in p["by_self"] + p["by_cumulative"])
     # the cumulative view names DeepSpeed's phases inside the session step, and none inside the bare one
     session_cum = [r["function"] for r in host["session step"]["by_cumulative"]]
@@ -61,8 +71,12 @@ def test_trainer_rate_smoke(tmp_path):
     assert 0 <= m["trainer_data_wait_s"] < m["trainer_step_s"], (m["trainer_data_wait_s"], m["trainer_step_s"])
     assert result["config"]["command"].startswith("comera pretrain --config configs/codebert-tiny-cpu.yaml ")
 
+    trainer_steps = skip + steps + 3 + 1  # then 3 profiled loop iterations and the step that ends their profile
+    assert result["config"]["trainer_steps"] == trainer_steps and result["config"]["trainer_timed_steps"] == steps
     logged = {int(s): float(v) for s, total, v in STEP_LINE.findall(proc.stdout + proc.stderr)
-              if int(total) == skip + steps}
-    assert sorted(logged) == list(range(1, skip + steps + 1)), logged
+              if int(total) == trainer_steps}
+    assert sorted(logged) == list(range(1, trainer_steps + 1)), logged
+    assert sorted(map(int, result["config"]["trainer_tokens_per_second_by_step"])) == list(range(1, skip + steps + 1))
+    logged = {s: v for s, v in logged.items() if s <= skip + steps}  # the profiled steps are in no rate
     from_log = statistics.median(v for s, v in logged.items() if s > skip)
     assert m["trainer_tokens_per_s"] == pytest.approx(from_log, rel=1e-3)

@@ -109,4 +109,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert all(0 < phases[k] < phases["step"] for k in ("deepspeed forward", "deepspeed backward", "deepspeed step"))
     assert not any(k.startswith("deepspeed") for k in summary["host_phases_ms"]["trainer-rate bench step"])
     assert "trainer-rate session step host ms/step (cProfile): step " in p.stdout
+    # the trainer's loop: the session step and what the trainer adds around it, each a part of the iteration
+    loop = summary["host_phases_ms"]["trainer-rate trainer loop"]
+    assert {"step", "batch fetch", "device synchronize", "step metrics", "metrics log"} <= set(loop), loop
+    assert "trainer-rate trainer loop host ms/step (cProfile): step " in p.stdout
     assert summary["env"]["mode"] == "cpu-smoke"

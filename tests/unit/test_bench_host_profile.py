@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import cProfile
 import time
 
 import pytest
 
-from comera_dist.bench.host_profile import _name, host_profile
+from comera_dist.bench.host_profile import _name, host_profile, profile_rows
 
 
 def _busy(seconds: float) -> int:
@@ -52,6 +53,28 @@ def test_cumulative_rows_show_the_phase_that_holds_the_time():
     assert outer["calls"] == 1 and phase["calls"] == 2  # per run
     assert outer["cum_s"] == pytest.approx(0.04, abs=0.02) and outer["self_s"] < 0.1 * outer["cum_s"]
     assert phase["cum_s"] == pytest.approx(outer["cum_s"], rel=0.1)  # a run's two calls: all of the step
+
+
+def test_root_rows_are_the_calls_of_a_loop_profiled_from_inside_it():
+    """A loop that starts its profiler in its second iteration and stops it in its fifth: the calls the loop
+    itself made in those 3 iterations are the root rows, with their time; the calls they made in turn are not
+    (``_outer_step``'s own two ``_phase`` calls)."""
+    profiler = cProfile.Profile()
+    for i in range(5):  # this test's frame began before the profile: the loop
+        if i == 1:
+            profiler.enable()
+        elif i == 4:
+            profiler.disable()
+            break
+        _outer_step()
+        _phase()
+    prof = profile_rows(profiler, runs=3, roots=True)
+    mine = {r["function"].rsplit("(", 1)[1][:-1]: r for r in prof["root_rows"] if "test_bench_host_profile" in r["function"]}
+    assert set(mine) == {"_outer_step", "_phase"}, prof["root_rows"]  # _outer_step's two _phase calls are not roots
+    assert mine["_outer_step"]["calls"] == mine["_phase"]["calls"] == 1  # per run
+    assert mine["_outer_step"]["cum_s"] == pytest.approx(0.04, abs=0.02)
+    assert mine["_phase"]["cum_s"] == pytest.approx(0.02, abs=0.015)  # the loop's own call only, not _outer_step's
+    assert "root_rows" not in profile_rows(profiler, runs=3)
 
 
 def test_runs_must_be_positive():

@@ -306,6 +306,8 @@ def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]
 
     def restore() -> None:
         session_cls.train_step, metrics_cls.close = step, close
+        if profile_loop is not None:
+            profile_loop[0].disable()  # a run that ended inside the profiled steps
 
     return restore
 
@@ -349,7 +351,8 @@ def trainer_rate(config: str, sets: list[str], skip: int, steps: int, out_dir: P
             "step_s": statistics.median(step_times[s] for s in timed),
             "tokens_per_step": tokens, "loop_tokens_per_s": loop_tokens_per_s(tokens, starts[skip:skip + steps + 1]),
             "loop_profile": profile_rows(profiler, PROFILED_LOOP_STEPS, roots=True),
-            "per_step": {s: v for s, v in per_step.items() if s <= skip + steps}, "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
+            "per_step": {s: v for s, v in per_step.items() if s <= skip + steps},  # the profiled ones are in no rate
+            "late_stage_steps": [s for s in timed if stages.get(s, 0.0) >= 1],
             "wall_seconds": wall, "cudagraph_trees": trees}
 
 

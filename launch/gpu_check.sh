@@ -11,7 +11,8 @@
 # Steps: env (installs missing wheels with pip --no-index --target), native GPU tests (TRITON_INTERPRET=0: the
 # Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
-# resumed from A's mid-run checkpoint, whose losses must equal A's step for step; bench kernels; bench
+# resumed from A's mid-run checkpoint, whose losses must equal A's step for step; the same at ZeRO 0 compiled with
+# CUDA graphs, fp32 and 2 micro-batches per step (-z0-graphs: ZeRO 0's gradient check and the finite-loss probe); bench kernels; bench
 # six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
 # contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor and captured (-compiled; its rows
 # also count the kernels the compiled graphs launch, graph_kernels, beside bench ops --compiled's CPU proxy),
@@ -131,7 +132,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -175,20 +176,23 @@ env_step() {
   "$PYTHON" launch/gpu_check.py env "$OUT" "$MODE"
 }
 
-pretrain_step() {  # run A to STEPS, run B resumed from A's step-CKPT checkpoint to STEPS; B must match A
-  local stage=$1 a="$WORK/z$1-a" b="$WORK/z$1-b" port
+pretrain_step() {  # STAGE [NAME [--set K=V...]]: run A to STEPS, run B resumed from A's step-CKPT checkpoint
+  # to STEPS, both at ZeRO STAGE with the extra settings; B must match A. Logs and runs are named NAME (z$STAGE).
+  local stage=$1 name=${2:-z$1} port
+  shift; if [ $# -gt 0 ]; then shift; fi
+  local a="$WORK/$name-a" b="$WORK/$name-b"
   # a free loopback port: checks (or tests) running side by side must not meet at one rendezvous
   port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   rm -rf "$a" "$b"
-  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" \
-    --set train.output_dir="$a" --resume none > "$OUT/logs/pretrain-z$stage-a.log" 2>&1 \
-    || { echo "run A failed: logs/pretrain-z$stage-a.log"; tail -20 "$OUT/logs/pretrain-z$stage-a.log"; return 1; }
-  grep -E "physical prune|step $CKPT/|resumed" "$OUT/logs/pretrain-z$stage-a.log" | head -5
-  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" \
+  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" "$@" \
+    --set train.output_dir="$a" --resume none > "$OUT/logs/pretrain-$name-a.log" 2>&1 \
+    || { echo "run A failed: logs/pretrain-$name-a.log"; tail -20 "$OUT/logs/pretrain-$name-a.log"; return 1; }
+  grep -E "physical prune|step $CKPT/|resumed" "$OUT/logs/pretrain-$name-a.log" | head -5
+  NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" "$@" \
     --set train.output_dir="$b" --resume "$a/checkpoints/step$(printf %08d "$CKPT")" \
-    > "$OUT/logs/pretrain-z$stage-b.log" 2>&1 \
-    || { echo "run B failed: logs/pretrain-z$stage-b.log"; tail -20 "$OUT/logs/pretrain-z$stage-b.log"; return 1; }
-  "$PYTHON" launch/gpu_check.py resume "$OUT/logs/pretrain-z$stage-a.log" "$OUT/logs/pretrain-z$stage-b.log" \
+    > "$OUT/logs/pretrain-$name-b.log" 2>&1 \
+    || { echo "run B failed: logs/pretrain-$name-b.log"; tail -20 "$OUT/logs/pretrain-$name-b.log"; return 1; }
+  "$PYTHON" launch/gpu_check.py resume "$OUT/logs/pretrain-$name-a.log" "$OUT/logs/pretrain-$name-b.log" \
     "$a" "$CKPT" "$STEPS" "$TOL"
 }
 
@@ -203,6 +207,12 @@ run_step kernel-tests "$T_KTEST" "$PYTHON" "${KERNEL_TESTS[@]}"
 for stage in 1 2 3; do
   run_step "pretrain-z$stage" $((2 * T_RUN)) bash -c "eval \"TRAIN=(\$TRAIN_Q)\"; pretrain_step $stage"
 done
+# ZeRO 0 (fp32: bf16 needs stage 1) compiled with CUDA graphs and 2 micro-batches per step: ZeRO 0's all-reduced
+# gradient check and the session's forward-only finite-loss probe of each micro-batch, whose losses must outlive
+# the next graph replay
+run_step pretrain-z0-graphs $((2 * T_RUN)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND bash -c \
+  "eval \"TRAIN=(\$TRAIN_Q)\"; pretrain_step 0 z0-graphs --set deepspeed.precision=fp32 --set train.compile=true \
+   --set train.compile_mode=reduce-overhead --set deepspeed.gradient_accumulation_steps=2"
 run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"
 run_step bench-six-encoder "$T_BENCH" "$PYTHON" "${BENCH_SIX[@]}" --json "$OUT/six-encoder.json"
 # batch 1 again with a 4 MiB cuBLAS workspace per stream for every contender (torch's default is 65 MiB on the

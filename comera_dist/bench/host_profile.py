@@ -57,14 +57,20 @@ def profile_rows(profiler: cProfile.Profile, runs: int, n: int = 25, n_cumulativ
 
 
 def _roots(stats: dict, runs: int) -> list[dict[str, Any]]:
-    """Each function's calls with no profiled caller (the calls minus those its recorded callers made), by the
-    cumulative time of those calls."""
+    """Each function's calls with no profiled caller (its calls minus those its recorded callers made), by the
+    cumulative time of those calls.
+
+    pstats keeps ``stats[f] = (primitive calls, calls, own time, cumulative time, callers)`` and
+    ``callers[g] = (calls, primitive calls, own time, cumulative time)`` of g's calls of f. A recursive f's
+    cumulative time counts its outermost calls only, which hold the calls it made of itself: its own edge's
+    cumulative time is not subtracted (mutual recursion through another function is not untangled)."""
     rows = []
     for key, (_, calls, self_s, cum_s, callers) in stats.items():
-        by_callers = [sum(c[i] for c in callers.values()) for i in (1, 2, 3)]
-        if calls > by_callers[0]:
-            rows.append({"function": _name(key), "calls": (calls - by_callers[0]) / runs,
-                         "self_s": (self_s - by_callers[1]) / runs, "cum_s": (cum_s - by_callers[2]) / runs})
+        by_callers = sum(c[0] for c in callers.values())
+        if calls > by_callers:
+            rows.append({"function": _name(key), "calls": (calls - by_callers) / runs,
+                         "self_s": (self_s - sum(c[2] for c in callers.values())) / runs,
+                         "cum_s": (cum_s - sum(c[3] for g, c in callers.items() if g != key)) / runs})
     return sorted(rows, key=lambda r: r["cum_s"], reverse=True)
 
 

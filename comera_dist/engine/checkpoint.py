@@ -214,9 +214,11 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     for path in complete_checkpoints(root)[:-keep]:
         if path.name in protected or (keep_every > 0 and step_of(path) % keep_every == 0):
             continue
-        # the marker first: a reader (``comera evaluate`` on the live run) sees at once that it is going
-        (path / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
+        # out of sight first, in one rename: a reader (``comera evaluate`` on the live run) finds it gone at once,
+        # and what a failed delete leaves is a temporary tag, which the sweep below retries next time
+        doomed = root / f"{TMP_PREFIX}removing-{path.name}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     for path in root.glob(TMP_PREFIX + "*"):
         if path.is_dir():

@@ -124,6 +124,7 @@ def load_run(spec: str | Path) -> LoadedRun:
     ZeRO 0, DeepSpeed's ``zero_to_fp32`` above): every shard passes ``ckpt.verify_weights_only`` first.
     """
     explicit = ckpt.is_complete(Path(spec))
+    last: Exception | None = None
     for attempt in range(1, READ_ATTEMPTS + 1):
         path = locate(spec)
         try:
@@ -134,12 +135,14 @@ def load_run(spec: str | Path) -> LoadedRun:
             if explicit:
                 raise InputError(f"--checkpoint {path} was deleted while it was read ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''})") from e
+            last = e
             if attempt < READ_ATTEMPTS:
                 log.warning("checkpoint %s was deleted while it was read (the live run kept a newer one); reading "
                             "the newest again (attempt %d of %d)", path, attempt + 1, READ_ATTEMPTS)
     raise InputError(f"--checkpoint {spec}: its newest checkpoint was deleted while it was read, "
                      f"{READ_ATTEMPTS} times in a row (the run saves and prunes its checkpoints faster than one can "
-                     "be read); pass a kept checkpoint's directory (train.keep_every) or raise train.keep_checkpoints")
+                     "be read); pass a kept checkpoint's directory (train.keep_every) or raise "
+                     "train.keep_checkpoints") from last
 
 
 def _load(path: Path) -> LoadedRun:
@@ -176,9 +179,9 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 1:
         raise InputError(f"--max-batches must be >= 1 (or left out for the whole corpus), got {max_batches}")
-    path = locate(checkpoint)
+    path = locate(checkpoint)  # its config and tokenizer: the data first, so bad input fails before any weights
     cfg, _ = _read(path)
-    try:  # the data first: bad input fails before any weights are read
+    try:
         tokenizer = load_tokenizer(_tokenizer_dir(path, cfg))
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
@@ -188,7 +191,9 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
                                     collator=collator, max_batches=max_batches))
     except DataError as e:
         raise InputError(str(e)) from e
-    run = load_run(path)
+    # what the user named, not ``path``: on a live run retention may delete that one meanwhile and load_run
+    # then reads the newest (the same run: its config and tokenizer stay those read above)
+    run = load_run(checkpoint)
     device = next(run.model.parameters()).device  # the model's device: batches go through the one mover
     on_device = terminal_progress(batches_to_device(batches, device), desc="evaluate", total=len(batches),
                                   unit="batch")

@@ -25,7 +25,7 @@ MAX_RANK_SNAPSHOTS = 2_000
 @dataclass(slots=True)
 class _Thinned(Generic[T]):
     """Evenly spaced ``(step, item)`` points of a stream, plus its latest point; one point per step (a value
-    logged again at the latest point's step replaces it)."""
+    logged again at the latest point's step is dropped: the series and the extremes keep the first)."""
 
     max_points: int
     points: list[tuple[int, T]] = field(default_factory=list)
@@ -34,10 +34,10 @@ class _Thinned(Generic[T]):
     tail: bool = False
     """Whether ``points[-1]`` is the latest point held only until the next one (not a sampled point)."""
 
-    def add(self, step: int, item: T) -> None:
+    def add(self, step: int, item: T) -> bool:
+        """Whether ``item`` was taken (False: its step is the latest point's already)."""
         if self.points and self.points[-1][0] == step:  # the same step again (a resumed job's starting values):
-            self.points[-1] = (step, item)              # one point per step, the latest value
-            return
+            return False                                # one point per step, the first value
         if self.tail:
             self.points.pop()
         sampled = self.seen % self.stride == 0
@@ -50,6 +50,7 @@ class _Thinned(Generic[T]):
             if self.points[-1][0] != step:  # the latest went with the odd ones: hold it as the tail
                 self.points.append((step, item))
                 self.tail = True
+        return True
 
 
 @dataclass(slots=True)
@@ -102,8 +103,8 @@ class History:
         for key, value in values.items():
             if key not in self._scalars:
                 self._scalars[key], self._extremes[key] = _Thinned(self.max_points), _Extremes()
-            self._scalars[key].add(step, value)
-            self._extremes[key].add(step, value)
+            if self._scalars[key].add(step, value):  # not when this step holds a value already: the first stands
+                self._extremes[key].add(step, value)
 
     def add_ranks(self, snapshot: dict[str, list[int]], step: int) -> None:
         self._ranks.add(step, snapshot)

@@ -97,8 +97,9 @@ def test_a_checkpoint_named_explicitly_is_read_once_and_its_deletion_is_a_clear_
     assert [p.name for p in checked] == [written[0].name]
 
 
-def test_retention_removes_the_marker_before_the_files(written, tmp_path, monkeypatch):
-    """A reader must see a checkpoint being deleted as incomplete at once, not as complete with files missing."""
+def test_retention_takes_a_checkpoint_out_of_sight_before_deleting_it(written, tmp_path, monkeypatch):
+    """A reader must never find a checkpoint half-deleted: it is renamed to a temporary tag in one step, then
+    deleted; what a failed delete leaves is swept by the next retention."""
     from comera_dist.engine import checkpoint as ckpt
 
     root = tmp_path / "checkpoints"
@@ -106,13 +107,18 @@ def test_retention_removes_the_marker_before_the_files(written, tmp_path, monkey
     seen = []
     real_rmtree = shutil.rmtree
 
-    def rmtree(path, *args, **kwargs):
-        seen.append((Path(path).name, ckpt.is_complete(Path(path))))
-        return real_rmtree(path, *args, **kwargs)
+    def failing_rmtree(path, *args, **kwargs):  # a delete that fails (e.g. a file held open on NFS)
+        seen.append((Path(path).name, [p.name for p in ckpt.complete_checkpoints(root)]))
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", failing_rmtree)
     assert ckpt.remove_old(root, keep=1) == [root / written[0].name, root / written[1].name]
-    assert seen == [(written[0].name, False), (written[1].name, False)]
+    doomed = [ckpt.TMP_PREFIX + "removing-" + p.name for p in written[:2]]
+    # each one was already out of sight when its delete began
+    assert seen[:2] == [(doomed[0], [written[1].name, written[2].name]), (doomed[1], [written[2].name])]
+    assert ckpt.latest_complete(root, finish=False) == root / written[2].name
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert ckpt.remove_old(root, keep=1) == []  # the next retention sweeps what the failed deletes left
+    assert not list(root.glob(ckpt.TMP_PREFIX + "*")) and [p.name for p in root.glob("step*")] == [written[2].name]
 
 
 def test_a_reader_that_loses_the_race_every_time_stops_with_a_clear_error(written, tmp_path, monkeypatch):

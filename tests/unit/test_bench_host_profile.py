@@ -77,6 +77,28 @@ def test_root_rows_are_the_calls_of_a_loop_profiled_from_inside_it():
     assert "root_rows" not in profile_rows(profiler, runs=3)
 
 
+def _recurse(n: int) -> None:
+    _phase()
+    if n:
+        _recurse(n - 1)
+
+
+def test_a_recursive_root_counts_its_calls_from_the_loop_once_and_all_its_time():
+    """pstats counts a recursive function's cumulative time at its outermost calls, which hold its calls of
+    itself: a root row subtracts the calls it made of itself, not their time."""
+    profiler = cProfile.Profile()
+    for i in range(3):
+        if i == 1:
+            profiler.enable()
+        _recurse(2)  # three _phase calls of 20 ms each
+    profiler.disable()
+    prof = profile_rows(profiler, runs=2, roots=True)
+    root = next(r for r in prof["root_rows"] if r["function"].endswith("(_recurse)"))
+    assert root["calls"] == 1  # per run: the loop's call, not the two it made of itself
+    assert root["cum_s"] == pytest.approx(0.06, abs=0.03)
+    assert not any(r["function"].endswith("(_phase)") for r in prof["root_rows"])  # all called by _recurse
+
+
 def test_runs_must_be_positive():
     with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
         host_profile(_step, runs=0)

@@ -125,18 +125,20 @@ def test_a_history_cut_at_an_older_checkpoint_drops_what_came_after():
 
 
 @pytest.mark.parametrize("budget", [4, 100])
-def test_a_step_logged_again_keeps_one_point_with_the_latest_value(budget):
+def test_a_step_logged_again_keeps_its_first_point_and_extremes(budget):
     """A resumed job logs its starting values at the checkpoint's step, which the continued history already
-    holds: one point per step (the series' steps stay distinct), and thinning counts that step once."""
+    holds: one point per step (the series' steps stay distinct), the first value stands, in the series and in
+    the extremes, and thinning counts that step once."""
     once, again = History(max_points=budget), History(max_points=budget)
     for step in range(1, 41):
         once.add_scalars({"ratio": float(step)}, step)
-        again.add_scalars({"ratio": float(step) - (0.5 if step == 20 else 0.0)}, step)
-        if step == 20:
-            again.add_scalars({"ratio": 20.0}, 20)
-            again.add_ranks({"layer": [2]}, 20)
-        again.add_ranks({"layer": [1]}, step)
+        again.add_scalars({"ratio": float(step)}, step)
         once.add_ranks({"layer": [1]}, step)
+        again.add_ranks({"layer": [1]}, step)
+        if step == 20:  # the resumed job's starting values: another process's, e.g. a fresh peak memory
+            again.add_scalars({"ratio": 99.0}, 20)
+            again.add_ranks({"layer": [2]}, 20)
     assert again.scalars == once.scalars and again.ranks == once.ranks
+    assert again.best("ratio", lowest=False) == once.best("ratio", lowest=False) == (40, 40.0)
     steps = [s for s, _ in again.scalars["ratio"]]
     assert len(steps) == len(set(steps))

@@ -7,6 +7,7 @@ Layout under ``<output_dir>/checkpoints``::
                              parameter layout, the roles packed into flat parameters (engine.packing)
         comera_full_state.pt full fp32 weights + AdamW moments + schedule (elastic resume, see session)
         config.yaml          the resolved run config
+        metrics_history.json rank 0's metrics history as of this step (the trainer's side file; the report)
         COMPLETE             the manifest (every file, size, xxh3-128 digest), written last: the checkpoint is whole
     latest                   the tag of the newest complete, verified checkpoint (DeepSpeed's format)
 
@@ -41,6 +42,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -138,15 +140,20 @@ def _put_back(root: Path, tag: str) -> None:
 
 def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: dict[str, Any],
          resolved_config: dict[str, Any], keep: int, keep_every: int = 0, full_state: dict[str, Any] | None = None,
-         retain: bool = True, before_publish=None) -> Path:
+         retain: bool = True, side_files: Mapping[str, str] | None = None, before_publish=None) -> Path:
     """Save a checkpoint of ``engine`` at ``step`` (collective), publish and verify it; returns its dir.
 
     ``full_state`` (plain tensors/data, rank 0's copy is written) is the consolidated state that
-    elastic resume loads. ``retain=False`` publishes without deleting any older checkpoint.
+    elastic resume loads. ``side_files`` (rank 0's): ``{name: text}`` written beside the meta, so the
+    manifest vouches for them with the rest (e.g. the metrics history as of this step).
+    ``retain=False`` publishes without deleting any older checkpoint.
     ``before_publish`` (tests): called on rank 0 after every file is written, before the manifest.
     Raises ``CheckpointError`` if the published files do not match their manifest (``latest`` and
     older checkpoints are then left as they were; a re-saved step's old copy is back in place).
     """
+    clash = sorted(set(side_files or ()) & {META, CONFIG, FULL_STATE, MARKER})
+    if clash:
+        raise ValueError(f"checkpoint.save: side_files may not replace the checkpoint's own {clash}")
     root = Path(root)
     tag = tag_for(step)
     tmp_dir, final = root / (TMP_PREFIX + tag), root / tag
@@ -163,6 +170,8 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
         (tmp_dir / CONFIG).write_text(yaml.safe_dump(resolved_config, sort_keys=False))
         if full_state is not None:
             torch.save(full_state, tmp_dir / FULL_STATE)
+        for name, text in (side_files or {}).items():
+            (tmp_dir / name).write_text(text)
     dist.barrier()  # every rank's shards and the side files are on disk
     names = manifest.checkpoint_files(tmp_dir)  # the same list on every rank (shared file system)
     parts: list[Any] = [None] * dist.get_world_size()

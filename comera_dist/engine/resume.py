@@ -46,9 +46,10 @@ def identity(cfg) -> dict[str, Any]:
 
 
 def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
-         before_publish=None) -> Path | None:
+         side_files: Mapping[str, str] | None = None, before_publish=None) -> Path | None:
     """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
-    e.g. its loader position) rides along and comes back to that rank on resume.
+    e.g. its loader position) rides along and comes back to that rank on resume. ``side_files``: rank 0's
+    extra files for the checkpoint's directory (``checkpoint.save``); ``resume`` returns the directory.
 
     Returns None, writing nothing, when a parameter or optimizer moment is non-finite: such a
     state is never published as the last good one. ``retain=False`` deletes no older checkpoint.
@@ -81,11 +82,13 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
     train = session.cfg.train
     return ckpt.save(session.engine, session.checkpoint_root, step, client_state=client, meta=meta,
                      resolved_config=resolved_dict(session.cfg), keep=train.keep_checkpoints,
-                     keep_every=train.keep_every, full_state=full, retain=retain, before_publish=before_publish)
+                     keep_every=train.keep_every, full_state=full, retain=retain, side_files=side_files,
+                     before_publish=before_publish)
 
 
 def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
-    """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` (None: fresh start).
+    """Load ``auto`` | ``none`` | a checkpoint path; returns the saved ``client_state`` with ``step`` and
+    ``checkpoint_dir`` (the directory loaded) added (None: fresh start).
 
     Every rank verifies the checkpoint's files against its manifest first (``auto`` walks back to
     the newest one that verifies). A pruned checkpoint is loaded into a model rebuilt at its saved
@@ -144,7 +147,7 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     session.steps_done = state["steps_done"]
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
-    return dict(elastic.rank_entry(client["clients"], rank), step=state["step"])
+    return dict(elastic.rank_entry(client["clients"], rank), step=state["step"], checkpoint_dir=path)
 
 
 def _load_shards(session: TrainSession, path: Path, precision_known: bool) -> dict[str, Any]:

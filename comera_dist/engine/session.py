@@ -488,9 +488,10 @@ class TrainSession:
         return resume_mod.identity(self.cfg)
 
     def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
-             before_publish=None) -> Path | None:
+             side_files: Mapping[str, str] | None = None, before_publish=None) -> Path | None:
         """Checkpoint at ``step`` (collective); see ``engine.resume.save``."""
-        return resume_mod.save(self, step, client_state, retain=retain, before_publish=before_publish)
+        return resume_mod.save(self, step, client_state, retain=retain, side_files=side_files,
+                               before_publish=before_publish)
 
     def resume(self, spec: str) -> dict[str, Any] | None:
         """Load ``auto`` | ``none`` | a checkpoint path (collective); see ``engine.resume.resume``."""

@@ -78,14 +78,12 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
     _check_alive(session.compression_report())  # a dead model is not worth a checkpoint, nor a requeue
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
               "reason": reason, "tokenizer_sha256": data.tokenizer_digest}
-    try:
-        path = session.save(step, client, retain=retain)
+    try:  # the history goes inside: a job resumed from this checkpoint continues the report from here
+        path = session.save(step, client, retain=retain, side_files=metrics.history_files(step))
     except Exception:
         metrics.checkpoint_saved(False, step)
         raise
     metrics.checkpoint_saved(path is not None, step)
-    if path is not None:
-        metrics.save_history(step)  # a job resumed from this checkpoint continues the report from here
     return path
 
 
@@ -105,14 +103,15 @@ def _stop_nonfinite(session: TrainSession, data: RunData, step: int, guard: NonF
                   f"wrote {saved}" if saved else "state non-finite, nothing written", previous)
 
 
-def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str) -> int:
-    """Load ``spec`` (auto|none|path) into the session and the data loader; the step to start after."""
+def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: str) -> tuple[int, Path | None]:
+    """Load ``spec`` (auto|none|path) into the session and the data loader; the step to start after and the
+    checkpoint loaded (0, None: a fresh start)."""
     try:
         client = session.resume(spec)
     except CheckpointError as e:
         raise InputError(str(e).replace("\n", " ")) from e
     if client is None:
-        return 0
+        return 0, None
     saved = client.get("tokenizer_sha256")  # absent in checkpoints from before it was recorded
     if saved is not None and saved != data.tokenizer_digest:
         raise InputError(f"resume: the checkpoint was trained with another tokenizer (sha256 {saved[:12]}) than the "
@@ -122,7 +121,7 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
     data.train.load_state_dict(client["data_state"])  # this rank's own (the session checks the world size)
     guard.total = client.get("nonfinite_steps_total", 0)
     log.info("resumed at step %d", client["step"])
-    return int(client["step"])
+    return int(client["step"]), Path(client["checkpoint_dir"])
 
 
 def _step_metrics(out: Any, step_time: float, data_wait: float, tokens: int,
@@ -250,7 +249,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     data = build_run_data(cfg, info, tokenizer_dir=resume_tokenizer_dir(Path(cfg.train.output_dir), resume))
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
     guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
-    start = _restore(session, data, guard, resume)
+    start, resumed_from = _restore(session, data, guard, resume)
     faults = NonFiniteInjector(info.rank)
     faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
     maybe_compile(cfg, session)
@@ -261,7 +260,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                             output_dir=cfg.train.output_dir, run_name=Path(cfg.train.output_dir).name,
                             nonfinite_steps_total=guard.total)  # a resume's restored total is no new skip
     if start:
-        metrics.restore_history(start)  # the report covers the whole run
+        metrics.restore_history(start, resumed_from)  # the report covers the whole run
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import numbers
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +25,8 @@ from comera_dist.metrics.report import write_report
 log = logging.getLogger(__name__)
 
 HISTORY_FILE = "metrics_history.json"
-"""Rank 0's history as of the latest checkpoint, beside the report: a resumed job continues it."""
+"""Rank 0's history as of a checkpoint, in the checkpoint's directory: a job resumed from it continues it.
+Older versions wrote it beside the report after the checkpoint was published; a resume still reads it there."""
 
 STANDARD_KEYS: tuple[str, ...] = (
     "train_loss", "val_loss", "val_accuracy", "tokens_per_second", "step_time_seconds", "data_wait_seconds",
@@ -132,23 +132,27 @@ class Metrics:
         if self.exporter:
             self.exporter.checkpoint(bool(ok), now)
 
-    def save_history(self, step: int) -> None:
-        """Rank 0: write the history as of checkpoint ``step`` (``HISTORY_FILE``, atomically), so that the job
-        resuming from that checkpoint reports the whole run, not only its own steps."""
+    def history_files(self, step: int) -> dict[str, str]:
+        """Rank 0: ``{HISTORY_FILE: text}``, the history as of checkpoint ``step`` for the checkpoint's own
+        directory (the manifest covers it, so no crash can separate the two): the job resuming from it reports
+        the whole run, not only its own steps. Its checkpoint record is in it, since it is read only from a
+        published checkpoint. Other ranks: ``{}``."""
         if not self.active:
-            return
-        path = self.output_dir / HISTORY_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"step": step, "history": self.history.state()}))
-        os.replace(tmp, path)
+            return {}
+        state = self.history.state()
+        state["checkpoints"] = [*state["checkpoints"], (step, True, time.time())]
+        return {HISTORY_FILE: json.dumps({"step": step, "history": state})}
 
-    def restore_history(self, step: int) -> None:
-        """Rank 0 of a job resumed at checkpoint ``step``: continue the history saved with it (what was logged
-        after ``step`` by a job that resumed from an older checkpoint is dropped). None saved (a run from before
-        it was kept, or a damaged file): the report covers this job only, and says so in the log."""
+    def restore_history(self, step: int, checkpoint_dir: str | Path) -> None:
+        """Rank 0 of a job resumed at checkpoint ``step`` (``checkpoint_dir``): continue the history saved in
+        it. A checkpoint written before the history moved into it: the one beside the report, without what was
+        logged after ``step`` by a job that resumed from an older checkpoint. None (or a damaged file): the
+        report covers this job only, and says so in the log."""
         if not self.active:
             return
-        path = self.output_dir / HISTORY_FILE
+        path = Path(checkpoint_dir) / HISTORY_FILE
+        if not path.is_file():
+            path = self.output_dir / HISTORY_FILE  # the older place, written after the checkpoint
         try:
             saved = json.loads(path.read_text())
             self.history = History.from_state(saved["history"], upto=step)

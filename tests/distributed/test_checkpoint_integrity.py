@@ -147,7 +147,7 @@ def test_auto_walks_back_explicit_path_names_the_file(runs, variant, bad_file, w
         assert case["explicit"] is not None and f"{step6[variant] / bad_file}: " in case["explicit"]
         assert why in case["explicit"]
         # step 6 (named by `latest`) and step 8 (corrupt since its save) are skipped, step 4 loads
-        assert case["client"] == {"at": 4, "step": 4}
+        assert case["client"] == {"at": 4, "step": 4, "checkpoint_dir": step6[variant].parent / tag_for(4)}
         assert torch.isfinite(torch.tensor(case["loss"]))
         if rank == 0:
             skips = [line for line in case["log"] if line.startswith("resume auto: skipping")]
@@ -156,10 +156,10 @@ def test_auto_walks_back_explicit_path_names_the_file(runs, variant, bad_file, w
 
 
 def test_pre_manifest_checkpoint_loads_with_warning(runs):
-    _, _, resumed, _ = runs
+    _, _, resumed, step6 = runs
     for r in resumed:
         case = r["legacy"]
         assert case["explicit"] is None  # the explicit path loaded
-        assert case["client"] == {"at": 6, "step": 6}
+        assert case["client"] == {"at": 6, "step": 6, "checkpoint_dir": step6["legacy"]}
         assert any("written before checkpoint manifests" in line and "cannot be verified" in line
                    for line in case["log"]), case["log"]

@@ -432,7 +432,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
             assert saved["controller"]["stage"] == "late" and saved["controller"]["lam"] in (0, 1)
             assert saved["controller"]["switch_step"] == SAVE_AT and saved["nonfinite_total"] == 1
             assert straight["rows"][0][4] and not any(row[4] for row in straight["rows"][1:])
-            assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT}
+            assert r["client"] == {"data_position": SAVE_AT * 10 + rank, "step": SAVE_AT, "checkpoint_dir": ckpt}
             assert r["dims"][LAYER] == [4, 2, 4]  # rebuilt at the pruned shapes before loading
             # Restored as saved, then the same dropout masks, objectives, lambdas and stages (bitwise).
             # Every difference is listed, not only the first: a lost RNG restore shows in the rows too.

@@ -1,7 +1,8 @@
-"""A resumed job's ``report.md`` covers the whole run, as a Slurm requeue leaves it: the history saved with the
-checkpoint (``metrics_history.json``) is continued. Before, the report held the last job's steps only (its
-"first" values, best validation loss and late-stage step were that job's), and re-running a finished run
-rewrote it empty."""
+"""A resumed job's ``report.md`` covers the whole run, as a Slurm requeue leaves it: the history saved in the
+checkpoint (``metrics_history.json``, under its manifest) is continued. Before, the report held the last job's
+steps only (its "first" values, best validation loss and late-stage step were that job's), and re-running a
+finished run rewrote it empty. Later the history was written beside the report after the checkpoint, so a crash
+between the two left it one checkpoint behind."""
 
 from __future__ import annotations
 
@@ -40,12 +41,15 @@ def _row(report: str, key: str) -> list[str]:
 def test_a_resumed_job_reports_the_whole_run(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "cache"
     first = _pretrain(out, cache, 4)
+    step4 = out / "checkpoints" / "step00000004"
+    assert "metrics_history.json" in json.loads((step4 / "COMPLETE").read_text())["files"]  # the manifest's
+    assert not (out / "metrics_history.json").exists()  # nothing outside that a crash could leave behind
     resumed = _pretrain(out, cache, 6)
     assert "- checkpoints: 2 saved" in first and "- checkpoints: 3 saved" in resumed, resumed
     assert "- late stage from step 3" in first and "- late stage from step 3" in resumed, resumed
     assert _row(resumed, "train_loss")[0] == _row(first, "train_loss")[0]  # the run's first value, not step 5's
     assert _row(resumed, "stage")[0] == "0"
-    saved = json.loads((out / "metrics_history.json").read_text())["history"]  # as of the step-6 checkpoint
+    saved = json.loads((out / "checkpoints" / "step00000006" / "metrics_history.json").read_text())["history"]
     twice = {key: steps for key, data in saved["scalars"].items()
              if len(steps := [s for s, _ in data["points"]]) != len(set(steps))}
     assert not twice, f"the resumed job logged its starting step again: {twice}"

@@ -119,3 +119,19 @@ def test_every_file_reaches_the_disk_before_the_manifest(engine, tmp_path, monke
     assert len(data) >= 3  # DeepSpeed's shard(s), the meta and the config
     late = [str(p) for p in [*data, path] if inode(p) not in synced[:marker]]
     assert not late, f"fsynced only after the manifest, or never: {late}"
+
+
+def test_side_files_are_published_under_the_manifest(engine, tmp_path):
+    """``side_files`` (the metrics history) land inside the checkpoint, listed and verified like its own files,
+    so no crash can publish the checkpoint without them; they may not replace the checkpoint's own files."""
+    path = ckpt.save(engine, tmp_path, 2, client_state={}, meta={}, resolved_config={}, keep=1,
+                     side_files={"metrics_history.json": '{"step": 2}'})
+    assert (path / "metrics_history.json").read_text() == '{"step": 2}'
+    assert "metrics_history.json" in ckpt.manifest.read(path)["files"]
+    (path / "metrics_history.json").write_text('{"step": 1}')
+    assert any("metrics_history.json" in p for p in ckpt.manifest.verify(path, ckpt.manifest.read(path),
+                                                                          ckpt.manifest.checkpoint_files(path)))
+    for own in (ckpt.MARKER, ckpt.META):
+        with pytest.raises(ValueError, match=f"side_files may not replace the checkpoint's own \\['{own}'\\]"):
+            ckpt.save(engine, tmp_path, 3, client_state={}, meta={}, resolved_config={}, keep=1,
+                      side_files={own: "x"})

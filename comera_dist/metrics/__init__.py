@@ -18,7 +18,7 @@ def build_metrics(cfg: MetricsConfig, *, rank: int, local_rank: int, world_size:
     """The run's ``Metrics``; active (exporter, bar, report) on global rank 0, a no-op elsewhere.
 
     A resumed run passes the ``nonfinite_steps_total`` its checkpoint restored: the exported counter
-    starts there, before the endpoint serves its first scrape (see ``Metrics``).
+    counts only the non-finite steps beyond it (see ``PrometheusExporter``).
     """
     return Metrics(cfg, rank=rank, local_rank=local_rank, world_size=world_size, total_steps=total_steps,
                    output_dir=output_dir, run_name=run_name, nonfinite_steps_total=nonfinite_steps_total)

@@ -40,7 +40,7 @@ class Metrics:
     """Fan-out of ``log``/``log_ranks``/``checkpoint_saved`` to the enabled sinks (rank 0 only).
 
     ``nonfinite_steps_total``: the non-finite step total a resumed run restored; the exported counter
-    starts at it (``PrometheusExporter``), so resuming is not mistaken for new non-finite steps.
+    counts only the steps beyond it (``PrometheusExporter``), so resuming is not mistaken for new ones.
     """
 
     def __init__(self, cfg: MetricsConfig, *, rank: int, local_rank: int, world_size: int,

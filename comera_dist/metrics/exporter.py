@@ -99,10 +99,14 @@ class _GaugeCollector(Collector):
 class PrometheusExporter:
     """A dedicated registry, its HTTP server, and the service-discovery file that points at it.
 
-    ``nonfinite_steps_total``: the total a resumed run restored from its checkpoint. The counter starts
-    there before the server starts, so no scrape ever reads 0 followed by a jump to the restored total
-    at the first logged step: ``increase()`` would count that jump as new non-finite steps and fire
-    ComeraLossNaN after every resume of a run that ever skipped one.
+    ``nonfinite_steps_total``: the total a resumed run restored from its checkpoint. The counter counts
+    this process's non-finite steps, those beyond that total, like every Prometheus counter a restart
+    resets: a restart on the same target reads as a reset (``increase()`` adds nothing), one on a new
+    target as a new series. The counter once served the run's total: a resume's first logged step then
+    jumped it from 0 to the restored total, and when it started at that total instead, a restart on the
+    same target after skips past the checkpoint served less than before, which ``increase()`` read as a
+    reset followed by that whole total. Either fired ComeraLossNaN with no new non-finite step. The
+    run's total is in the step log lines and the report.
     """
 
     def __init__(self, *, host: str, port: int, sd_file: Path, run_name: str, world_size: int,
@@ -112,11 +116,9 @@ class PrometheusExporter:
         self.registry.register(self._gauges)
         self._step_time = Histogram("comera_step_time_seconds", "Wall time of one optimizer step.",
                                     buckets=STEP_TIME_BUCKETS, registry=self.registry)
-        self._nonfinite = Counter("comera_nonfinite_steps", "Steps skipped for a non-finite loss or gradient.",
-                                  registry=self.registry)
-        if nonfinite_steps_total > 0:  # the restored baseline, not new steps: set before any scrape
-            self._nonfinite.inc(nonfinite_steps_total)
-        self._nonfinite_seen = float(nonfinite_steps_total)
+        self._nonfinite = Counter("comera_nonfinite_steps", "Steps this process skipped for a non-finite loss or "
+                                  "gradient (a resumed job starts at 0).", registry=self.registry)
+        self._nonfinite_seen = float(nonfinite_steps_total)  # the restored total: steps of earlier jobs
         self._checkpoints = Counter("comera_checkpoint_saves", "Checkpoint save attempts by outcome.",
                                     ["outcome"], registry=self.registry)
         for outcome in ("success", "failure"):
@@ -151,7 +153,7 @@ class PrometheusExporter:
             elif key == "step_time_seconds" and math.isfinite(value) and value >= 0:
                 self._step_time.observe(value)
             elif key == "nonfinite_steps_total" and value > self._nonfinite_seen:
-                # the trainer logs the running total; a Counter only moves forward by increments
+                # the trainer logs the run's total; the counter moves by this process's new steps
                 self._nonfinite.inc(value - self._nonfinite_seen)
                 self._nonfinite_seen = value
         self._gauges.set("comera_train_step", "Last optimizer step logged.", step)

@@ -1,8 +1,11 @@
-"""A resumed run's non-finite step counter starts at the restored total, from the first scrape on.
+"""A resumed job's non-finite step counter counts that job's new non-finite steps only, from the first scrape on.
 
-The checkpoint restores ``nonfinite_steps_total = N``; the new process's exporter used to serve 0 until
-the first logged step set it to N, and ``increase(comera_nonfinite_steps_total[5m]) > 0`` (ComeraLossNaN)
-fired on that jump after every resume of a run that ever skipped a step, with no new non-finite step.
+The checkpoint restores ``nonfinite_steps_total = N``. The exporter first served 0 until the first logged step
+set it to N, and ``increase(comera_nonfinite_steps_total[5m]) > 0`` (ComeraLossNaN) fired on that jump after
+every resume of a run that ever skipped a step. Then it started at N: a job that skipped steps after its last
+checkpoint and was requeued onto the same ``host:port`` served N after a larger value, which ``increase()``
+reads as a reset followed by N new steps, and the alert fired again with no new non-finite step. The promtool
+cases (``monitoring/rules/comera.rules.test.yml``, "a restart on the same target ...") replay both series.
 """
 
 from __future__ import annotations
@@ -30,16 +33,18 @@ def _resumed(tmp_path, total: float) -> Metrics:
                          total_steps=100, output_dir=tmp_path, run_name="resumed", nonfinite_steps_total=total)
 
 
-def test_first_scrape_after_a_resume_reads_the_restored_total(tmp_path):
+def test_a_resumed_job_counts_only_its_own_new_nonfinite_steps(tmp_path):
     m = _resumed(tmp_path, 3)
     try:
-        assert _counter(m) == 3  # before anything is logged: the first scrape Prometheus can take
+        assert _counter(m) == 0  # before anything is logged: the first scrape Prometheus can take
         m.log({"compression_ratio": 2.0}, step=50)  # the trainer's starting values at the resumed step
-        assert _counter(m) == 3
+        assert _counter(m) == 0
         m.log({"train_loss": 4.2, "nonfinite_steps_total": 3.0}, step=51)  # a finite step: the total as restored
+        assert _counter(m) == 0
+        m.log({"train_loss": math.nan, "nonfinite_steps_total": 4.0}, step=52)  # a new skip counts
+        assert _counter(m) == 1
+        m.log({"train_loss": math.nan, "nonfinite_steps_total": 6.0}, step=53)  # the trainer's total went by 2
         assert _counter(m) == 3
-        m.log({"train_loss": math.nan, "nonfinite_steps_total": 4.0}, step=52)  # a new skip still counts
-        assert _counter(m) == 4
     finally:
         m.close()
 
@@ -61,9 +66,10 @@ def test_a_bad_restored_total_names_the_value(tmp_path, bad):
 
 
 @pytest.mark.slow
-def test_a_resumed_comera_pretrain_is_first_scraped_at_its_restored_total(tmp_path):
-    """The trainer hands the restored total to the exporter (a real ``comera pretrain``, resumed): the first
-    scrape, which the run waits for before its first step (``metrics.first_scrape_timeout_s``), reads it."""
+def test_a_resumed_comera_pretrain_counts_none_of_its_restored_steps(tmp_path):
+    """The trainer hands the restored total to the exporter (a real ``comera pretrain`` with 2 skipped steps,
+    resumed): every scrape of the resumed job, from the first (which the run waits for before its first step,
+    ``metrics.first_scrape_timeout_s``) to the last (``final_scrape_timeout_s``, after step 6), reads 0."""
     import os
     import socket
     import subprocess
@@ -86,18 +92,24 @@ def test_a_resumed_comera_pretrain_is_first_scraped_at_its_restored_total(tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     resumed = subprocess.Popen([sys.executable, "-m", "comera_dist.cli", *run, "--set", "train.steps=6",
-                                "--set", f"metrics.prometheus_port={port}", "--set", "metrics.first_scrape_timeout_s=50"],
+                                "--set", "train.log_every=1", "--set", f"metrics.prometheus_port={port}",
+                                "--set", "metrics.first_scrape_timeout_s=50",
+                                "--set", "metrics.final_scrape_timeout_s=50"],
                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    scraped = []  # (the step served, the counter served) of every scrape
     try:
-        deadline, text = time.monotonic() + 120, None
-        while text is None and time.monotonic() < deadline and resumed.poll() is None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and resumed.poll() is None:
             try:
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             except OSError:
                 time.sleep(0.2)
-        assert text is not None, resumed.stderr.read()[-3000:] if resumed.poll() is not None else "no endpoint"
-        (value,) = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == COUNTER]
-        assert value == 2
+                continue
+            samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+            scraped.append((samples.get("comera_train_step"), samples[COUNTER]))
+            time.sleep(0.2)
     finally:
         log = resumed.communicate(timeout=300)[1]
     assert resumed.returncode == 0 and "resumed at step 4" in log, log[-3000:]
+    assert scraped and max(step or 0 for step, _ in scraped) == 6, scraped  # up to the last step's values
+    assert {value for _, value in scraped} == {0}, scraped

@@ -31,7 +31,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert p.returncode == 0 and summary.get("ok"), (p.stdout[-3000:], p.stderr[-3000:],
                                                        {k: v for k, v in logs.items() if any(f in k for f in failed)})
     assert [s["step"] for s in summary["steps"]] == ["env", "kernel-tests", "pretrain-z1", "pretrain-z2",
-                                                     "pretrain-z3", "pretrain-z0-graphs", "bench-kernels",
+                                                     "pretrain-z3", "pretrain-z0-graphs",
+                                                     "pretrain-recompute-graphs", "bench-kernels",
                                                      "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
                                                      "bench-six-encoder-recompute", "bench-six-encoder-align1",
@@ -39,7 +40,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs",
                                                      "trainer-rate-graphs-opt"]
-    for name in ("z1", "z2", "z3", "z0-graphs"):
+    for name in ("z1", "z2", "z3", "z0-graphs", "recompute-graphs"):
         log = (out / "logs" / f"pretrain-{name}.log").read_text()
         check = json.loads(next(line for line in log.splitlines() if line.startswith('{"resume_step"')))
         assert check["problems"] == [] and check["compared_steps"] == 3 and check["max_rel_diff"] == 0.0
@@ -47,6 +48,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert "physical prune, engine rebuilt" in a and "stage 1" in a  # the late stage ran
     z0 = (out / "logs" / "pretrain-z0-graphs-a.log").read_text()  # compiled, and again after each prune
     assert z0.count("torch.compile (aot_eager, mode reduce-overhead): engine compiled = True") >= 2, z0[-2000:]
+    recompute_log = (out / "logs" / "pretrain-recompute-graphs-a.log").read_text()
+    assert recompute_log.count("torch.compile (aot_eager, mode reduce-overhead): engine compiled = True") >= 2
+    ran = (tmp_path / "work" / "recompute-graphs-a" / "checkpoints" / "step00000006" / "config.yaml").read_text()
+    assert "activation_checkpointing: true" in ran and "dropout: 0.1" in ran
     assert json.loads((out / "kernels.json").read_text())["benchmark"] == "kernels"
     assert json.loads((out / "six-encoder.json").read_text())["benchmark"] == "six-encoder"
     ws = json.loads((out / "six-encoder-ws4.json").read_text())  # every contender under a 4 MiB workspace

@@ -19,7 +19,8 @@ from typing import Any
 SELF, CUMULATIVE = 2, 3  # pstats rows: (primitive calls, calls, tottime, cumtime, callers)
 
 
-def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative: int = 60) -> dict[str, Any]:
+def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative: int = 60, *,
+                 timer: Callable[[], float] | None = None) -> dict[str, Any]:
     """Run ``fn()`` ``runs`` times under one ``cProfile``; its top ``n`` functions by own time and top
     ``n_cumulative`` by cumulative time (more: the wrappers around each phase take the first rows).
 
@@ -28,11 +29,12 @@ def host_profile(fn: Callable[[], Any], runs: int = 5, n: int = 25, n_cumulative
     ``torch/...``; C functions as cProfile names them, e.g. ``<built-in method torch.bmm>``), ``calls``,
     ``self_s`` (time in the function itself) and ``cum_s`` (with its callees), both per run, and ``share``
     (of the profile's total own time). Several runs average out a step's one-off work (a lazy allocation,
-    a cache fill) that one profiled run would show as a hot spot.
+    a cache fill) that one profiled run would show as a hot spot. ``timer``: cProfile's clock, in seconds
+    (default its own wall clock).
     """
     if runs < 1:
         raise ValueError(f"host_profile: runs must be >= 1, got {runs}")
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(timer) if timer else cProfile.Profile()
     profiler.enable()
     try:
         for _ in range(runs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -109,8 +110,9 @@ def test_sd_file_names_endpoint_then_withdraws(tmp_path, monkeypatch):
     assert m.endpoint.startswith("127.0.0.1:") and int(m.endpoint.split(":")[1]) > 0
     m.close()
     assert json.loads(sd.read_text()) == []
-    with pytest.raises(OSError):
+    with pytest.raises(urllib.error.URLError) as gone:  # refused: nothing listens (not a hang, not an HTTP error)
         urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=2)
+    assert isinstance(gone.value.reason, ConnectionRefusedError), gone.value
 
 
 def test_busy_port_is_a_clear_error(metrics, tmp_path):

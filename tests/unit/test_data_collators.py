@@ -92,7 +92,8 @@ def test_mlm_always_has_a_target(tokenizer):
 def test_batch_seed_is_distinct_and_stable():
     seeds = {batch_seed(s, t, r) for s in range(3) for t in range(50) for r in range(4)}
     assert len(seeds) == 600 and all(0 <= x < 2**63 for x in seeds)
-    assert batch_seed(1, 2, 3) == batch_seed(1, 2, 3)
+    # pinned: the same on every process, machine and Python (no hash() salt), which resume and every rank rely on
+    assert batch_seed(1, 2, 3) == 8384462955522581546 and batch_seed(0, 0, 0) == 8866250585812870066
 
 
 def test_causal_labels_are_the_inputs(tokenizer):

@@ -116,12 +116,33 @@ def test_pruned_layers_stay_batched_zero_padded_and_match_their_own_path(monkeyp
         torch.testing.assert_close(a, p.grad, msg=name)
 
 
+def _spy_on_projections(monkeypatch, used: list[bool], *modules: str) -> None:
+    """Record, for every TT projection the models make through ``layers.group``, whether it got its layer's
+    shared factors (``used``), and make it as before."""
+    real_project, real_shared, real_ffn = group_mod.project, group_mod.project_shared_input, group_mod.project_ffn
+    for module in modules:
+        monkeypatch.setattr(f"{module}.project", lambda layer, x, factors, **kw: used.append(
+            factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
+    monkeypatch.setattr("comera_dist.models.blocks.project_shared_input", lambda layers, x, factors: used.extend(
+        factors is not None and id(layer) in factors for layer in layers) or real_shared(layers, x, factors))
+    monkeypatch.setattr("comera_dist.models.blocks.project_ffn", lambda inp, out, x, factors: used.extend(
+        factors is not None and id(layer) in factors for layer in (inp, out)) or real_ffn(inp, out, x, factors))
+
+
 def test_six_encoder_with_and_without_shared_factors(monkeypatch):
+    """The six-encoder contracts same-shape layers together: every TT projection gets its layer's shared
+    factors, and the loss and gradients are those of every layer on its own."""
     cfg = ModelConfig(arch="six_encoder_cls", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
                       intermediate_size=32, max_positions=8, num_labels=3, dropout=0.0)
     torch.manual_seed(0)
-    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3))
+    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
+    with torch.no_grad():  # gates of different values, some below tau, so each layer's mask matters
+        for _, layer in tensorized_modules(model):
+            layer.gate.uniform_(0.5, 1.5)
+            layer.gate[::3] = 0.005
     ids, labels = torch.randint(0, 50, (2, 8)), torch.tensor([0, 2])
+    used = []  # per projection: made with its layer's shared factors
+    _spy_on_projections(monkeypatch, used, "comera_dist.models.blocks", "comera_dist.models.six_encoder")
     results = []
     for share in (True, False):
         if not share:
@@ -130,10 +151,12 @@ def test_six_encoder_with_and_without_shared_factors(monkeypatch):
         loss = model(ids, labels=labels)["loss"]
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    n = len(group_mod.shared_factors(model))
+    assert n == 6 * cfg.num_layers + 1  # Q, K, V, O, FFN in, FFN out per block, and the pooler
+    assert len(used) == 2 * n and used[:n] == [True] * n and used[n:] == [False] * n, used
     torch.testing.assert_close(results[0][0], results[1][0])
-    for a, b in zip(results[0][1], results[1][1]):
+    for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b)
-    assert group_mod.shared_factors is not None
 
 
 @pytest.mark.parametrize("arch", ["bert_mlm", "gpt"])
@@ -147,13 +170,7 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
     model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
     ids = torch.randint(0, 50, (2, 8))
     used = []  # layers applied with their shared factors
-    real_project, real_shared, real_ffn = group_mod.project, group_mod.project_shared_input, group_mod.project_ffn
-    monkeypatch.setattr("comera_dist.models.blocks.project", lambda layer, x, factors, **kw: used.append(
-        factors is not None and id(layer) in factors) or real_project(layer, x, factors, **kw))
-    monkeypatch.setattr("comera_dist.models.blocks.project_shared_input", lambda layers, x, factors: used.extend(
-        factors is not None and id(layer) in factors for layer in layers) or real_shared(layers, x, factors))
-    monkeypatch.setattr("comera_dist.models.blocks.project_ffn", lambda inp, out, x, factors: used.extend(
-        factors is not None and id(layer) in factors for layer in (inp, out)) or real_ffn(inp, out, x, factors))
+    _spy_on_projections(monkeypatch, used, "comera_dist.models.blocks")
     real = group_mod.shared_factors
     results = []
     with torch.no_grad():  # gates of different values, some below tau, so R's surviving set matters

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import run_ranks
+from dist_helpers import free_port, run_ranks
 
 from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
 
@@ -39,6 +39,16 @@ def _pretrain(out: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _pretrain_ranks(out: Path, caches: list[Path], *extra: str) -> list[tuple[int, str]]:
+    """``comera pretrain`` on two ranks, each local rank 0 of its own "node" with its own cache; (exit code,
+    log) of each."""
+    port = free_port()
+    procs = [_pretrain(out, _env(cache, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                 MASTER_PORT=str(port)), *extra) for rank, cache in enumerate(caches)]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    return [(p.returncode, log) for p, log in zip(procs, logs, strict=True)]
+
+
 def _blocks(cache: Path) -> list[str]:
     return sorted(p.name for p in cache.iterdir() if p.name.startswith("blocks-"))
 
@@ -58,34 +68,37 @@ def test_nodes_with_their_own_caches_pack_with_rank_0s_tokenizer(tmp_path, port)
     assert rows[0] == rows[1]
 
 
-def test_a_resume_with_an_empty_cache_keeps_the_runs_tokenizer(tmp_path):
-    """A Slurm requeue onto a node whose cache is empty: the run's tokenizer is kept, not trained again."""
+def test_a_resume_with_empty_caches_keeps_the_runs_tokenizer(tmp_path):
+    """A Slurm requeue onto nodes whose caches are empty: the run's tokenizer is kept on both, not trained again."""
     out = tmp_path / "run"
-    first = _pretrain(out, _env(tmp_path / "cache-a"))
-    assert first.wait(timeout=400) == 0, first.stdout.read()[-3000:]
+    for code, log in _pretrain_ranks(out, [tmp_path / "a0", tmp_path / "a1"]):
+        assert code == 0, log[-3000:]
     saved = tokenizer_digest(load_tokenizer(out / "tokenizer"))
-    again = _pretrain(out, _env(tmp_path / "cache-b"), "--set", "train.steps=4")
-    log = again.communicate(timeout=400)[0]
-    assert again.returncode == 0, log[-3000:]
-    assert "resumed at step 2" in log and "tokenizer: trained" not in log, log[-3000:]
+    again = _pretrain_ranks(out, [tmp_path / "b0", tmp_path / "b1"], "--set", "train.steps=4")
+    for code, log in again:
+        assert code == 0, log[-3000:]
+        assert "resumed at step 2" in log and "tokenizer: trained" not in log, log[-3000:]
     assert tokenizer_digest(load_tokenizer(out / "tokenizer")) == saved
+    for node in ("b0", "b1"):  # both packed the corpus with the run's tokenizer, none trained one
+        assert not [p for p in (tmp_path / node).iterdir() if p.name.startswith("tokenizer-")]
+        assert len(_blocks(tmp_path / node)) == 1 and _blocks(tmp_path / node) == _blocks(tmp_path / "a0")
 
 
 def test_a_resume_with_another_tokenizer_is_refused(tmp_path):
     """The checkpoint records its tokenizer's digest: with the run's tokenizer replaced by another (an older
-    run directory, a hand copy), the resume is one clear line and exit 2, not a model fed other ids."""
-    out = tmp_path / "run"
-    first = _pretrain(out, _env(tmp_path / "cache"))
-    assert first.wait(timeout=400) == 0, first.stdout.read()[-3000:]
-    other = _pretrain(tmp_path / "other", _env(tmp_path / "cache"), "--set", "data.tokenizer.vocab_size=500",
+    run directory, a hand copy), the resume is one clear line and exit 2 on every rank, not a model fed other
+    ids."""
+    out, caches = tmp_path / "run", [tmp_path / "c0", tmp_path / "c1"]
+    for code, log in _pretrain_ranks(out, caches):
+        assert code == 0, log[-3000:]
+    other = _pretrain(tmp_path / "other", _env(tmp_path / "c0"), "--set", "data.tokenizer.vocab_size=500",
                       "--set", "train.steps=1", "--set", "train.checkpoint_every=0")
     assert other.wait(timeout=400) == 0, other.stdout.read()[-3000:]
     (out / "tokenizer").rename(tmp_path / "kept")
     (tmp_path / "other" / "tokenizer").rename(out / "tokenizer")
-    again = _pretrain(out, _env(tmp_path / "cache"), "--set", "train.steps=4")
-    log = again.communicate(timeout=400)[0]
-    assert again.returncode == 2, log[-3000:]
-    assert "resume: the checkpoint was trained with another tokenizer" in log, log[-3000:]
+    for code, log in _pretrain_ranks(out, caches, "--set", "train.steps=4"):
+        assert code == 2, log[-3000:]
+        assert "resume: the checkpoint was trained with another tokenizer" in log, log[-3000:]
 
 
 def _slow_build(rank: int, world_size: int, out: str, cache: str) -> dict:

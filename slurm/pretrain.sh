@@ -79,7 +79,8 @@ fi
 JOB_ID=${SLURM_JOB_ID:-0}
 RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 
-# --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues
+# --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues (a user's own
+# --resume applies to the first run: a requeued job resumes its run's newest checkpoint once there is one)
 train=("$TRAIN_SCRIPT" --config "$CONFIG" --resume auto "$@")
 launch=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
         slurm/node_launch.sh

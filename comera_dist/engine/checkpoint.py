@@ -305,6 +305,17 @@ def candidates_auto(root: Path, *, finish: bool = True) -> list[Path]:
     return done
 
 
+def requeued_spec(spec: str, root: Path, restarts: int) -> str:
+    """The resume spec of a job Slurm requeued ``restarts`` times (``SLURM_RESTART_COUNT``): ``auto`` once the
+    run under ``root`` has a complete checkpoint, whatever ``--resume`` the job was submitted with. A requeue
+    runs the same command, so ``none`` would start over and a checkpoint path would go back to it at every
+    requeue, and the job would never get past its time limit. Before the run's first checkpoint the spec
+    stands (a path is still where the run starts)."""
+    if restarts > 0 and spec != "auto" and candidates_auto(root, finish=False):
+        return "auto"
+    return spec
+
+
 def check(path: Path) -> list[str]:
     """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
 

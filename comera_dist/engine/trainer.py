@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 
 from comera_dist.compression.controller import RanksCollapsed
 from comera_dist.config import RunConfig, check_pretrainable, check_world_size
-from comera_dist.engine.checkpoint import CheckpointError, latest_complete
+from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
 from comera_dist.engine.errors import InputError
@@ -122,6 +122,18 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
     guard.total = client.get("nonfinite_steps_total", 0)
     log.info("resumed at step %d", client["step"])
     return int(client["step"]), Path(client["checkpoint_dir"])
+
+
+def _requeued(cfg: RunConfig, resume: str, rank: int) -> str:
+    """``resume``, or ``auto`` in a requeued Slurm job whose run has a checkpoint (``checkpoint.requeued_spec``)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
+    restarts = int(raw) if raw.isdigit() else 0
+    spec = requeued_spec(resume, Path(cfg.train.output_dir) / "checkpoints", restarts)
+    if spec != resume and rank == 0:
+        log.warning("requeued job (SLURM_RESTART_COUNT=%d): resuming the run's newest checkpoint (--resume auto), "
+                    "not --resume %s, which would %s at every requeue", restarts, resume,
+                    "start over" if resume == "none" else "go back to that checkpoint")
+    return spec
 
 
 def _step_metrics(out: Any, step_time: float, data_wait: float, tokens: int,
@@ -245,6 +257,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
+    resume = _requeued(cfg, resume, info.rank)
     # rank 0 builds corpus + tokenizer (or keeps a resumed run's), the others wait; checks compat
     data = build_run_data(cfg, info, tokenizer_dir=resume_tokenizer_dir(Path(cfg.train.output_dir), resume))
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)

@@ -4,11 +4,12 @@
 # usage: launch/mpirun.sh [--dry-run] --config CONFIG [trainer options...]
 #   --dry-run   print the mpirun command and exit
 # env:   NP (total processes, default: this node's GPUs, or 2 on CPU), MPIRUN (default: mpirun on PATH, the venv's first),
-#        MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500), MPIRUN_ARGS (extra args, e.g. a hostfile),
+#        MASTER_ADDR (rank 0's host; needed when the ranks span hosts, 127.0.0.1 on one host), MASTER_PORT
+#        (default 29500), MPIRUN_ARGS (extra args, e.g. a hostfile),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh)
 # The trainer's options: comera pretrain --help.
 set -euo pipefail
-usage() { sed -n '2,9p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+usage() { sed -n '2,10p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 # --help first: otherwise mpirun would start NP trainers that each print their own help
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 DRY_RUN=0
@@ -17,9 +18,12 @@ if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 cd "$(dirname "$0")/.."
 [ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 
-# MPI discovery would take the first address of `hostname -I`; force the rendezvous address
-# (loopback for one machine) so no rank ever listens on a public interface by accident.
-export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
+# The rendezvous address: ranks on one host meet on loopback (engine/distributed.py), so no rank listens on a
+# public interface by accident; ranks on several hosts need MASTER_ADDR, and without it every rank stops with
+# that message. A default here would send remote ranks to their own loopback, to time out.
+export MASTER_PORT=${MASTER_PORT:-29500}
+forward=(-x MASTER_PORT -x DS_ACCELERATOR -x OMP_NUM_THREADS -x PATH)
+if [ -n "${MASTER_ADDR:-}" ]; then export MASTER_ADDR; forward+=(-x MASTER_ADDR); fi
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 NP=${NP:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
@@ -28,7 +32,7 @@ NP=${NP:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2
 # on CPU. -x forwards the variables to remote ranks as well.
 # shellcheck disable=SC2206
 cmd=(${MPIRUN:-mpirun} --allow-run-as-root --oversubscribe -np "$NP"
-     -x MASTER_ADDR -x MASTER_PORT -x DS_ACCELERATOR -x OMP_NUM_THREADS -x PATH ${MPIRUN_ARGS:-}
+     "${forward[@]}" ${MPIRUN_ARGS:-}
      python launch/train.py "$@")
 if [ "$DRY_RUN" = 1 ]; then echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0; fi
 exec "${cmd[@]}"

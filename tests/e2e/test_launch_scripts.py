@@ -46,6 +46,10 @@ def test_launch_scripts_dry_run_print_the_command():
                                 "launch/train.py", "--config", TINY]
     p = run("launch/mpirun.sh", "--dry-run", "--config", TINY)
     assert p.returncode == 0 and " -np 3 " in p.stdout and "--allow-run-as-root --oversubscribe" in p.stdout
+    assert " -x MASTER_ADDR " in p.stdout  # the user's address reaches remote ranks
+    del env["MASTER_ADDR"]  # none: not made up (ranks on one host meet on loopback; several hosts need it)
+    p = run("launch/mpirun.sh", "--dry-run", "--config", TINY)
+    assert p.returncode == 0 and "MASTER_ADDR" not in p.stdout and " -x MASTER_PORT " in p.stdout
     for script in ("launch/torchrun.sh", "launch/mpirun.sh"):
         p = run(script)  # no trainer arguments: the usage, exit 2
         assert p.returncode == 2 and "usage:" in p.stderr

@@ -93,7 +93,12 @@ def _world_size(arg: int | None) -> int:
 
             raise InputError(f"--world-size must be >= 1, got {arg}")
         return arg
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    raw = os.environ.get("WORLD_SIZE", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        from comera_dist.engine.errors import InputError
+
+        raise InputError(f"WORLD_SIZE={raw!r} (environment) must be a positive integer; or give --world-size")
+    return int(raw)
 
 
 def pretrain(args: argparse.Namespace) -> int:
@@ -111,8 +116,10 @@ def pretrain(args: argparse.Namespace) -> int:
         from comera_dist.config import load_run_config
         from comera_dist.engine.distributed import leave_distributed
         from comera_dist.engine.trainer import train
+        from comera_dist.kernels.dispatch import check_environment
 
         cfg = load_run_config(args.config, _overrides(args))  # the world size is checked once ranks are known
+        check_environment()  # before the ranks start: not a traceback at the first step
         status = train(cfg, resume=cfg.train.resume, stop=stop)  # every rank returns together (closing barrier)
     finally:
         stop.close()
@@ -125,9 +132,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     from comera_dist.config import check_pretrainable, load_run_config
     from comera_dist.configbase import ConfigError
     from comera_dist.engine.summary import format_summary, run_summary
+    from comera_dist.kernels.dispatch import check_environment
 
     world_size = _world_size(args.world_size)
     cfg = load_run_config(args.config, _overrides(args), world_size=world_size)
+    check_environment()  # COMERA_KERNELS, COMERA_RANK_ALIGN, COMERA_FFN_ROWS
     summary = run_summary(cfg, world_size=world_size)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
@@ -179,8 +188,10 @@ def _stdout_is_the_result() -> contextlib.AbstractContextManager:
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from comera_dist.configbase import ConfigError
     from comera_dist.engine.errors import InputError
+    from comera_dist.kernels.dispatch import SettingError
 
-    return (ConfigError, InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+    return (ConfigError, InputError, SettingError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError)
 
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -42,12 +42,25 @@ _override: str | None = None
 _static: bool = False
 
 
+class SettingError(ValueError):
+    """An environment variable of the dispatch (``COMERA_KERNELS``, ``COMERA_RANK_ALIGN``, ``COMERA_FFN_ROWS``)
+    has a bad value; the message names it. ``comera pretrain`` checks them up front (``check_environment``)."""
+
+
+def check_environment() -> None:
+    """Raise ``SettingError`` for a bad value of any of the dispatch's environment variables, before a run
+    starts, not at its first step on every rank."""
+    _requested()
+    _rank_align()
+    _ffn_setting_checked()
+
+
 def _requested() -> str:
     if _override is not None:
         return _override
     name = os.environ.get("COMERA_KERNELS", "auto")
     if name not in BACKENDS:
-        raise ValueError(f"COMERA_KERNELS={name!r} is not one of {list(BACKENDS)}")
+        raise SettingError(f"COMERA_KERNELS={name!r} is not one of {list(BACKENDS)}")
     return name
 
 
@@ -123,14 +136,19 @@ def aligned_rank(r: int) -> int:
     of 8 too (not measured on a GPU here). The price is the padding's FLOPs (at most 7 ranks) and one pad
     per group and half.
     """
+    align = _rank_align()
+    return -(-r // align) * align
+
+
+def _rank_align() -> int:
     raw = os.environ.get("COMERA_RANK_ALIGN", str(RANK_ALIGN))
     try:
         align = int(raw)
     except ValueError:
         align = 0
     if align < 1:
-        raise ValueError(f"COMERA_RANK_ALIGN={raw!r} must be a positive integer (1: no padding)")
-    return -(-r // align) * align
+        raise SettingError(f"COMERA_RANK_ALIGN={raw!r} must be a positive integer (1: no padding)")
+    return align
 
 
 def pad_rank(L: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
@@ -207,7 +225,7 @@ def ffn_rows(t: Tensor, width: int) -> int:
     Default: blocks of ``FFN_BLOCK_ELEMENTS`` on the CPU in eager mode, where the wide tensors then stay in
     cache; one block on a GPU, where a block costs a launch of every kernel in it, and so under
     ``static_shapes()`` (the GPU's step emulated on the CPU, ``bench ops``) and ``torch.compile``."""
-    raw = ffn_setting()
+    raw = _ffn_setting_checked()
     if raw == "off":
         return 0
     gpu_like = t.device.type != "cpu" or _static or torch.compiler.is_compiling()
@@ -216,9 +234,14 @@ def ffn_rows(t: Tensor, width: int) -> int:
     if raw == "auto":
         fit = max(1, FFN_BLOCK_ELEMENTS // max(1, width))
         return max(8, 1 << (fit.bit_length() - 1))  # the largest power of two that fits
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"COMERA_FFN_ROWS must be auto, off, all or a positive row count, got {raw!r}")
     return int(raw)
+
+
+def _ffn_setting_checked() -> str:
+    raw = ffn_setting()
+    if raw not in ("auto", "off", "all") and (not raw.isdigit() or int(raw) < 1):
+        raise SettingError(f"COMERA_FFN_ROWS must be auto, off, all or a positive row count, got {raw!r}")
+    return raw
 
 
 def tt_ffn(x: Tensor, inp: tuple[Tensor, Tensor], b_in: Tensor | None, out: tuple[Tensor, Tensor],

@@ -111,3 +111,27 @@ def test_bad_config_is_one_line_exit_2(args, needle, capsys, tmp_path):
     assert needle in err
     assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
     assert not out_dir.exists()
+
+
+_BAD_SETTINGS = [
+    ("COMERA_KERNELS", "bogus", "COMERA_KERNELS='bogus' is not one of ['auto', 'torch', 'triton']"),
+    ("COMERA_RANK_ALIGN", "abc", "COMERA_RANK_ALIGN='abc' must be a positive integer"),
+    ("COMERA_FFN_ROWS", "-3", "COMERA_FFN_ROWS must be auto, off, all or a positive row count, got '-3'"),
+]
+
+
+# a training rank reads WORLD_SIZE from its launcher (engine.distributed); a dry run reads it for the batch arithmetic
+@pytest.mark.parametrize(("var", "value", "needle", "dry_run"), [
+    *[(*case, dry) for case in _BAD_SETTINGS for dry in (True, False)],
+    ("WORLD_SIZE", "abc", "WORLD_SIZE='abc' (environment) must be a positive integer", True),
+])
+def test_a_bad_environment_setting_is_one_line_exit_2(var, value, needle, dry_run, capsys, tmp_path, monkeypatch):
+    """Checked before anything starts, by a dry run too (they were a traceback at the first step, exit 1)."""
+    monkeypatch.setenv(var, value)
+    out_dir = tmp_path / "run"
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out_dir}",
+                   *(["--dry-run"] if dry_run else [])])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and needle in err, err
+    assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
+    assert not out_dir.exists()

@@ -52,8 +52,9 @@ class MetricsConfig:
 
     compression_target: float | None = None
     """Whole-model compression ratio (dense / current parameters) the run must reach; exported as
-    ``comera_compression_ratio_target`` for the "compression target missed" alert. None: no target
-    (a logged ``target_compression_ratio`` value, if any, is used instead)."""
+    ``comera_compression_ratio_target`` for the "compression target missed" alert. None: no target and no
+    alert (the trainer logs no ``target_compression_ratio``; another caller of ``Metrics.log`` may). Not
+    ``comera.controller.target_ratio``, the late stage's size target relative to the size at the switch."""
 
     def __post_init__(self) -> None:
         try:

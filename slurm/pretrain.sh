@@ -79,6 +79,16 @@ fi
 JOB_ID=${SLURM_JOB_ID:-0}
 RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 
+# The trainer's own check of the config and its batch arithmetic at this job's world size, before any node
+# starts: a mistyped key or a world size the batch does not divide would otherwise stop every rank, once per
+# rank, after the queue wait. (A login node's dry run without a GPU count checks the config alone.)
+if [ "$TRAIN_SCRIPT" = launch/train.py ]; then
+  world=()
+  if [[ "$NPROC" =~ ^[0-9]+$ ]]; then world=(--world-size $((NNODES * NPROC))); fi
+  python "$TRAIN_SCRIPT" --config "$CONFIG" --dry-run "${world[@]}" "$@" > /dev/null \
+    || { echo "pretrain.sh: comera pretrain --dry-run refused this run (above); nothing started" >&2; exit 2; }
+fi
+
 # --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues (a user's own
 # --resume applies to the first run: a requeued job resumes its run's newest checkpoint once there is one)
 train=("$TRAIN_SCRIPT" --config "$CONFIG" --resume auto "$@")

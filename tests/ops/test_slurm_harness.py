@@ -43,11 +43,27 @@ def test_trivial_batch_job_runs(slurm_1node, tmp_path):
 
 
 def test_dry_run_prints_resolved_launch(slurm_1node):
-    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "README.md", "--set", "x=1"], cwd=REPO,
-                       env=slurm_1node.env | {"COMERA_DEVICE": "cpu"}, capture_output=True, text=True, check=False)
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/tiny-cpu.yaml", "--set", "train.steps=1"],
+                       cwd=REPO, env=slurm_1node.env | {"COMERA_DEVICE": "cpu"}, capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 0, r.stderr
     assert "--rdzv-endpoint 127.0.0.1:20000" in r.stdout
-    assert "launch/train.py --config README.md --resume auto --set x=1" in r.stdout
+    assert "launch/train.py --config configs/tiny-cpu.yaml --resume auto --set train.steps=1" in r.stdout
+
+
+@pytest.mark.parametrize(("args", "env", "needle"), [
+    (["configs/tiny-cpu.yaml", "--set", "train.stepz=5"], {}, "did you mean 'steps'"),
+    (["configs/codebert.yaml"], {"SLURM_JOB_NUM_NODES": "3", "COMERA_NPROC_PER_NODE": "8"}, "train_batch_size"),
+])
+def test_a_run_the_trainer_would_refuse_stops_before_any_node_starts(slurm_1node, args, env, needle):
+    """The trainer's dry run at the job's world size (3 nodes x 8: 24 ranks, which codebert's batch does not
+    divide), in the dry run and before srun: one error line, not one per rank after the queue wait."""
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", *args], cwd=REPO,
+                       env=slurm_1node.env | {"COMERA_DEVICE": "cpu"} | env, capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "comera pretrain --dry-run refused this run (above); nothing started" in r.stderr
+    assert "srun" not in r.stdout
 
 
 def test_bad_config_path_is_a_clear_error(slurm_1node):

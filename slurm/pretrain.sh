@@ -2,7 +2,7 @@
 # CoMERA pretraining on Slurm: one srun task per node, each running torchrun for the node's processes.
 # usage: sbatch [sbatch options] slurm/pretrain.sh [--dry-run] CONFIG [--set key=value ...]
 #   e.g. mkdir -p logs && sbatch -N 4 slurm/pretrain.sh configs/codebert.yaml --set train.steps=20000
-#   CPU (tests): sbatch -p debug --gres=none --mem=1G --export=ALL,COMERA_DEVICE=cpu slurm/pretrain.sh CFG
+#   CPU (tests): sbatch slurm/pretrain-cpu.sh CFG (this script with CPU-sized #SBATCH defaults)
 #   --dry-run   print the resolved launch command and exit (inside or outside an allocation)
 # env: COMERA_HOME (repository; default the submit directory), COMERA_DEVICE (gpu | cpu, default gpu),
 #      COMERA_NPROC_PER_NODE (default: GPUs on the node, or 2 on cpu), COMERA_RDZV_PORT (default 20000 +

@@ -153,3 +153,13 @@ def test_slurm_dry_run_needs_no_gpu_and_a_real_run_says_what_is_missing(tmp_path
     assert "srun" not in box.started(), box.started()
     p = box.run("slurm/pretrain.sh", "--dry-run", TINY, COMERA_NPROC_PER_NODE="0")
     assert p.returncode == 2 and "COMERA_NPROC_PER_NODE must be a positive integer, got '0'" in p.stderr
+
+
+def test_gpu_check_dry_run_lists_its_steps_without_a_gpu_and_a_real_run_says_what_is_missing(tmp_path):
+    box = Sandbox(tmp_path)  # nvidia-smi there lists no GPU, as on a login node
+    p = box.run("launch/gpu_check.sh", "--dry-run", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    assert "gpu_check (gpu, <GPUs> process(es)" in p.stdout and "pretrain-recompute-graphs" in p.stdout
+    p = box.run("launch/gpu_check.sh", str(tmp_path / "out"))
+    assert p.returncode == 2 and "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" in p.stderr
+    assert "torchrun" not in box.started() and "pytest" not in box.started(), box.started()

@@ -3,8 +3,9 @@ gate before anything unpickles it, as a resume does.
 
 The manifest detects corruption, not tampering: a shard that carries a ``__reduce__`` payload beside a
 re-rendered manifest verifies, so only the gate stands between it and ``torch.load(weights_only=False)``
-(ours at ZeRO 0, DeepSpeed's ``zero_to_fp32`` at ZeRO 1). The checkpoints come from one spawned rank; the
-loading happens here, outside any process group, as the CLI does it.
+(ours at ZeRO 0, DeepSpeed's ``zero_to_fp32`` at ZeRO 1). The checkpoints come from two spawned ranks, and at
+ZeRO 1 the payload is in rank 1's optimizer shard (a gate that read rank 0's files only would let it through);
+the loading happens here, outside any process group, as the CLI does it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from dist_helpers import run_ranks
 from engine_cases import batch, factory, tiny_config
 
-SHARDS = {0: "mp_rank_00_model_states.pt", 1: "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+SHARDS = {0: "mp_rank_00_model_states.pt", 1: "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
 
 
 def _write(rank: int, world_size: int, outdir: str) -> dict[int, str]:
@@ -27,7 +28,7 @@ def _write(rank: int, world_size: int, outdir: str) -> dict[int, str]:
     paths = {}
     for stage in SHARDS:
         cfg = tiny_config(f"{outdir}/z{stage}", zero_stage=stage, steps=2)
-        s = TrainSession.create(cfg, factory(cfg), world_size=1)
+        s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
         s.train_step([batch(1, rank)])
         paths[stage] = str(s.save(1))
         s.close()
@@ -58,7 +59,7 @@ def _tamper(path: Path, shard: str, flag: Path) -> None:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evil_eval")
-    return {stage: Path(p) for stage, p in run_ranks(_write, tmp / "w", str(tmp / "runs"), world_size=1)[0].items()}
+    return {stage: Path(p) for stage, p in run_ranks(_write, tmp / "w", str(tmp / "runs"), world_size=2)[0].items()}
 
 
 @pytest.mark.parametrize("stage", sorted(SHARDS))

@@ -3,9 +3,9 @@ may delete the newest checkpoint while it is being read, because the run has jus
 The reader then locates and reads the newest again, instead of failing (a missing file, or DeepSpeed's
 traceback). A checkpoint directory named explicitly is read once, and its deletion is a clear error.
 
-The checkpoints come from one spawned rank (a real DeepSpeed engine at ZeRO 1); the save-then-retain of the
-live run is played, at the moment the reader has located its checkpoint, by the same publish and
-``checkpoint.remove_old`` the run uses.
+The checkpoints come from two spawned ranks (a real DeepSpeed engine at ZeRO 1, an optimizer shard per rank);
+the save-then-retain of the live run is played, at the moment the reader has located its checkpoint, by the
+same publish and ``checkpoint.remove_old`` the run uses.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _write(rank: int, world_size: int, outdir: str) -> list[str]:
 
     init_distributed(60)
     cfg = tiny_config(outdir, zero_stage=1, steps=3)  # keeps 3 checkpoints
-    s = TrainSession.create(cfg, factory(cfg), world_size=1)
+    s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
     paths = []
     for step in (1, 2, 3):
         s.train_step([batch(step, rank)])
@@ -37,7 +37,7 @@ def _write(rank: int, world_size: int, outdir: str) -> list[str]:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live_eval")
-    return [Path(p) for p in run_ranks(_write, tmp / "w", str(tmp / "run"), world_size=1)[0]]
+    return [Path(p) for p in run_ranks(_write, tmp / "w", str(tmp / "run"), world_size=2)[0]]
 
 
 @pytest.fixture

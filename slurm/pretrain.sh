@@ -81,12 +81,16 @@ RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 
 # The trainer's own check of the config and its batch arithmetic at this job's world size, before any node
 # starts: a mistyped key or a world size the batch does not divide would otherwise stop every rank, once per
-# rank, after the queue wait. (A login node's dry run without a GPU count checks the config alone.)
+# rank. It needs the world size: inside an allocation (the job, or a dry run under salloc) with a known
+# process count; outside one, the node count is sbatch's -N, still to come.
 if [ "$TRAIN_SCRIPT" = launch/train.py ]; then
-  world=()
-  if [[ "$NPROC" =~ ^[0-9]+$ ]]; then world=(--world-size $((NNODES * NPROC))); fi
-  python "$TRAIN_SCRIPT" --config "$CONFIG" --dry-run "${world[@]}" "$@" > /dev/null \
-    || { echo "pretrain.sh: comera pretrain --dry-run refused this run (above); nothing started" >&2; exit 2; }
+  if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [[ "$NPROC" =~ ^[0-9]+$ ]]; then
+    python "$TRAIN_SCRIPT" --config "$CONFIG" --dry-run --world-size $((NNODES * NPROC)) "$@" > /dev/null \
+      || { echo "pretrain.sh: comera pretrain --dry-run refused this run (above); nothing started" >&2; exit 2; }
+  else
+    echo "pretrain.sh: outside an allocation the job's world size is unknown: the job checks the config and" \
+         "its batch arithmetic before srun (comera pretrain --dry-run --world-size N checks it now)" >&2
+  fi
 fi
 
 # --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues (a user's own

@@ -305,15 +305,21 @@ def candidates_auto(root: Path, *, finish: bool = True) -> list[Path]:
     return done
 
 
-def requeued_spec(spec: str, root: Path, restarts: int) -> str:
-    """The resume spec of a job Slurm requeued ``restarts`` times (``SLURM_RESTART_COUNT``): ``auto`` once the
-    run under ``root`` has a complete checkpoint, whatever ``--resume`` the job was submitted with. A requeue
-    runs the same command, so ``none`` would start over and a checkpoint path would go back to it at every
-    requeue, and the job would never get past its time limit. Before the run's first checkpoint the spec
-    stands (a path is still where the run starts)."""
-    if restarts > 0 and spec != "auto" and candidates_auto(root, finish=False):
-        return "auto"
-    return spec
+def requeued_spec(spec: str, root: Path, restarts: int, job_id: str | None) -> str:
+    """The resume spec of Slurm job ``job_id`` requeued ``restarts`` times (``SLURM_RESTART_COUNT``): ``auto``
+    once this job has written a checkpoint under ``root`` (the one ``auto`` takes first records the job's id in
+    its meta, ``slurm_job_id``), whatever ``--resume`` the job was submitted with. A requeue runs the same
+    command, so ``none`` would start over and a checkpoint path would go back to it at every requeue, and the
+    job would never get past its time limit. Until the job's first checkpoint the spec stands: an older run's
+    checkpoints in the same directory are what ``none`` or a rewind to an earlier step chose to leave."""
+    if restarts < 1 or spec == "auto" or not job_id:
+        return spec
+    candidates = candidates_auto(root, finish=False)
+    try:
+        ours = bool(candidates) and read_meta(candidates[0]).get("slurm_job_id") == job_id
+    except CheckpointError:
+        ours = False  # unreadable: ``auto`` would skip it too; the spec stands
+    return "auto" if ours else spec
 
 
 def check(path: Path) -> list[str]:

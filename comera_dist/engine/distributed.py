@@ -20,6 +20,8 @@ import deepspeed.comm as dist
 import torch.distributed
 from deepspeed.accelerator import get_accelerator
 
+from comera_dist.engine.errors import InputError
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 29500
 
@@ -86,13 +88,17 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = env["RANK"], env["WORLD_SIZE"]
+        if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+            raise InputError(f"the launcher's RANK={rank!r} and WORLD_SIZE={world!r} (environment) must be integers "
+                             "with 0 <= RANK < WORLD_SIZE")
         env.setdefault("LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", LOOPBACK)
         env.setdefault("MASTER_PORT", str(DEFAULT_PORT))
         return "env"
     if "OMPI_COMM_WORLD_RANK" in env:
         if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != env["OMPI_COMM_WORLD_SIZE"] and "MASTER_ADDR" not in env:
-            raise RuntimeError("openmpi: ranks span several hosts but MASTER_ADDR is not set; "
+            raise InputError("openmpi: ranks span several hosts but MASTER_ADDR is not set; "
                                "export MASTER_ADDR=<address of rank 0's host>")
         env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
         env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]

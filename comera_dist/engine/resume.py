@@ -10,6 +10,7 @@ layouts, through the consolidated state (``engine/elastic.py``). ``TrainSession.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,7 +67,8 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
     meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
             "precision": session.cfg.deepspeed.precision, "param_layout": ckpt.PARAM_LAYOUT,
-            "packing": packed_roles(session.module), "packing_layout": packing_layout(session.module)}
+            "packing": packed_roles(session.module), "packing_layout": packing_layout(session.module),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # a requeue of this job continues it (requeued_spec)
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size

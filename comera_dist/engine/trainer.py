@@ -125,12 +125,12 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
 
 
 def _requeued(cfg: RunConfig, resume: str, rank: int) -> str:
-    """``resume``, or ``auto`` in a requeued Slurm job whose run has a checkpoint (``checkpoint.requeued_spec``)."""
+    """``resume``, or ``auto`` in a requeued Slurm job that has written a checkpoint (``checkpoint.requeued_spec``)."""
     raw = os.environ.get("SLURM_RESTART_COUNT", "0")
     restarts = int(raw) if raw.isdigit() else 0
-    spec = requeued_spec(resume, Path(cfg.train.output_dir) / "checkpoints", restarts)
+    spec = requeued_spec(resume, Path(cfg.train.output_dir) / "checkpoints", restarts, os.environ.get("SLURM_JOB_ID"))
     if spec != resume and rank == 0:
-        log.warning("requeued job (SLURM_RESTART_COUNT=%d): resuming the run's newest checkpoint (--resume auto), "
+        log.warning("requeued job (SLURM_RESTART_COUNT=%d): resuming this job's newest checkpoint (--resume auto), "
                     "not --resume %s, which would %s at every requeue", restarts, resume,
                     "start over" if resume == "none" else "go back to that checkpoint")
     return spec

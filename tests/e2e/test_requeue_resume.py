@@ -2,12 +2,14 @@
 
 ``slurm/pretrain.sh`` passes the user's arguments after its own ``--resume auto``, and a requeue runs the same
 command: with ``--resume none`` every requeue started the run over (and a checkpoint path went back to that
-checkpoint), so a job longer than its time limit never finished. The trainer now resumes the run's newest
-checkpoint when ``SLURM_RESTART_COUNT`` > 0 and the run has one (``checkpoint.requeued_spec``).
+checkpoint), so a job longer than its time limit never finished. The trainer now resumes ``auto`` when
+``SLURM_RESTART_COUNT`` > 0 and the checkpoint ``auto`` would take was written by this job (``SLURM_JOB_ID``,
+recorded in its meta: ``checkpoint.requeued_spec``); an older run's checkpoints do not count.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def _pretrain(out: Path, cache: Path, steps: int, resume: str, **env_extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_RESTART_COUNT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "SLURM_RESTART_COUNT", "SLURM_JOB_ID")}
     env.update(COMERA_CACHE=str(cache), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_extra)
     p = subprocess.run([sys.executable, "-m", "comera_dist.cli", "pretrain", "--config", "configs/tiny-cpu.yaml",
@@ -38,23 +40,37 @@ def _pretrain(out: Path, cache: Path, steps: int, resume: str, **env_extra: str)
 
 def test_a_requeued_job_submitted_with_resume_none_continues_its_run(tmp_path):
     out, cache = tmp_path / "run", tmp_path / "cache"
-    first = _pretrain(out, cache, 4, "none")
+    first = _pretrain(out, cache, 4, "none", SLURM_JOB_ID="4242")
     assert "resumed at step" not in first.stderr
-    requeued = _pretrain(out, cache, 6, "none", SLURM_RESTART_COUNT="1")
+    requeued = _pretrain(out, cache, 6, "none", SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")
     assert "resumed at step 4" in requeued.stderr, requeued.stderr[-3000:]
-    assert "requeued job (SLURM_RESTART_COUNT=1): resuming the run's newest checkpoint" in requeued.stderr
+    assert "requeued job (SLURM_RESTART_COUNT=1): resuming this job's newest checkpoint" in requeued.stderr
+    # another job asked to start over in that directory, requeued before its first checkpoint: it starts over
+    other = _pretrain(out, cache, 6, "none", SLURM_JOB_ID="5000", SLURM_RESTART_COUNT="1")
+    assert "resumed at step" not in other.stderr and "requeued job" not in other.stderr, other.stderr[-3000:]
     again = _pretrain(out, cache, 6, "none")  # not requeued: --resume none starts over, as asked
     assert "resumed at step" not in again.stderr and "requeued job" not in again.stderr, again.stderr[-3000:]
 
 
-def test_the_spec_stands_before_the_runs_first_checkpoint_and_outside_a_requeue(tmp_path):
-    root = tmp_path / "checkpoints"
-    assert requeued_spec("none", root, 2) == "none"  # preempted before its first checkpoint: start as submitted
-    assert requeued_spec("/runs/base/checkpoints/step00000100", root, 1) == "/runs/base/checkpoints/step00000100"
-    step = root / "step00000004"
-    step.mkdir(parents=True)
-    (step / "COMPLETE").write_text("step00000004\n")
-    (step / "comera_meta.json").write_text("{}")
-    assert requeued_spec("none", root, 1) == "auto"
-    assert requeued_spec("/runs/base/checkpoints/step00000100", root, 3) == "auto"
-    assert requeued_spec("none", root, 0) == "none" and requeued_spec("auto", root, 0) == "auto"
+def _checkpoint(root: Path, step: int, job_id: str | None) -> None:
+    path = root / f"step{step:08d}"
+    path.mkdir(parents=True)
+    (path / "COMPLETE").write_text(f"{path.name}\n")
+    (path / "comera_meta.json").write_text(json.dumps({"slurm_job_id": job_id}))
+    (root / "latest").write_text(path.name)
+
+
+def test_the_spec_stands_until_the_job_has_a_checkpoint_and_outside_a_requeue(tmp_path):
+    root, rewind = tmp_path / "checkpoints", "/runs/base/checkpoints/step00000600"
+    assert requeued_spec("none", root, 2, "7") == "none"  # preempted before its first checkpoint: start as submitted
+    for step in (600, 800, 1000):  # an earlier job's run, left in place by `none` or by a rewind to step 600
+        _checkpoint(root, step, "6")
+    assert requeued_spec("none", root, 1, "7") == "none" and requeued_spec(rewind, root, 1, "7") == rewind
+    _checkpoint(root, 700, None)  # written outside Slurm (no job id)
+    assert requeued_spec("none", root, 1, "7") == "none"
+    _checkpoint(root, 650, "7")  # this job's first checkpoint, which `latest` names
+    assert requeued_spec("none", root, 1, "7") == "auto" and requeued_spec(rewind, root, 3, "7") == "auto"
+    assert requeued_spec("none", root, 0, "7") == "none" and requeued_spec("auto", root, 0, "7") == "auto"
+    assert requeued_spec("none", root, 1, None) == "none"  # not a Slurm job
+    (root / "step00000650" / "comera_meta.json").write_text("{")  # unreadable: auto would skip it too
+    assert requeued_spec("none", root, 1, "7") == "none"

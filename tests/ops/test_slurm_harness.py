@@ -52,12 +52,12 @@ def test_dry_run_prints_resolved_launch(slurm_1node):
 
 
 @pytest.mark.parametrize(("args", "env", "needle"), [
-    (["configs/tiny-cpu.yaml", "--set", "train.stepz=5"], {}, "did you mean 'steps'"),
+    (["configs/tiny-cpu.yaml", "--set", "train.stepz=5"], {"SLURM_JOB_NUM_NODES": "1"}, "did you mean 'steps'"),
     (["configs/codebert.yaml"], {"SLURM_JOB_NUM_NODES": "3", "COMERA_NPROC_PER_NODE": "8"}, "train_batch_size"),
 ])
 def test_a_run_the_trainer_would_refuse_stops_before_any_node_starts(slurm_1node, args, env, needle):
-    """The trainer's dry run at the job's world size (3 nodes x 8: 24 ranks, which codebert's batch does not
-    divide), in the dry run and before srun: one error line, not one per rank after the queue wait."""
+    """Inside an allocation, the trainer's dry run at the job's world size (3 nodes x 8: 24 ranks, which
+    codebert's batch does not divide), in the dry run and before srun: one error line, not one per rank."""
     r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", *args], cwd=REPO,
                        env=slurm_1node.env | {"COMERA_DEVICE": "cpu"} | env, capture_output=True, text=True,
                        check=False)
@@ -147,3 +147,15 @@ def test_scancel_stops_without_requeue(slurm_1node, tmp_path):
     time.sleep(3)  # a wrongly requeued job would be PENDING again by now
     assert slurm_1node.job(job)["JobState"] == "CANCELLED"
     assert "requeueing job" not in log.read_text() and "not requeueing" in log.read_text()
+
+
+def test_outside_an_allocation_the_batch_arithmetic_waits_for_the_job(slurm_1node):
+    """No node count yet: a config valid for the job's size (4 nodes x 8 ranks: 32 x 2 x 32 = 2048) is not
+    refused at some other size; the dry run says where it is checked."""
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/codebert.yaml",
+                        "--set", "deepspeed.gradient_accumulation_steps=2"], cwd=REPO,
+                       env={k: v for k, v in slurm_1node.env.items() if k != "SLURM_JOB_NUM_NODES"}
+                       | {"COMERA_DEVICE": "cpu", "COMERA_NPROC_PER_NODE": "8"}, capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert "outside an allocation the job's world size is unknown" in r.stderr and "srun" in r.stdout

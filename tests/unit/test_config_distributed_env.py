@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 
 from comera_dist.engine.distributed import LOOPBACK, discover_ranks
+from comera_dist.engine.errors import InputError
 
 
 def test_launcher_env_is_kept():
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}
     assert discover_ranks(env) == "env"
     assert env["LOCAL_RANK"] == "0" and env["MASTER_ADDR"] == "10.0.0.5"
+
+
+@pytest.mark.parametrize(("rank", "world"), [("0", "abc"), ("x", "2"), ("2", "2"), ("-1", "2")])
+def test_a_bad_launcher_rank_or_world_size_names_both(rank, world):
+    with pytest.raises(InputError, match=f"the launcher's RANK={rank!r} and WORLD_SIZE={world!r} \\(environment\\) "
+                                         "must be integers with 0 <= RANK < WORLD_SIZE"):
+        discover_ranks({"RANK": rank, "WORLD_SIZE": world})
 
 
 def test_openmpi_on_one_host_is_forced_to_loopback():
@@ -23,7 +31,7 @@ def test_openmpi_on_one_host_is_forced_to_loopback():
 
 def test_openmpi_across_hosts_needs_master_addr():
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
-    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+    with pytest.raises(InputError, match="MASTER_ADDR is not set"):  # comera pretrain: one line, exit 2
         discover_ranks(env)
     env["MASTER_ADDR"] = "10.0.0.1"
     assert discover_ranks(env) == "openmpi" and env["MASTER_ADDR"] == "10.0.0.1"

@@ -32,12 +32,14 @@ def test_split_by_that_the_source_honours_is_accepted(source, split_by):
     ({"validation_fraction": 1.5}, "data.validation_fraction must be in (0, 1), got 1.5"),
     ({"seq_len": 4}, "data.seq_len must be >= 8, got 4"),
     ({"mlm_probability": 1.0}, "data.mlm_probability must be in (0, 1), got 1.0"),
-    ({"max_files": 1}, "data.max_files must be >= 2"),
+    ({"max_files": 1}, "data.max_files must be >= 2 (one per split) or null, got 1"),
     ({"num_proc": 0}, "data.num_proc must be >= 1, got 0"),
-    ({"source": "files"}, "data.files must list at least one path"),
-    ({"files": ["a.txt"]}, "data.files is only read when data.source is 'files'"),
-    ({"source": "hf"}, "data.hf_kwargs must hold load_dataset arguments"),
-    ({"hf_kwargs": {"path": "x"}}, "data.hf_kwargs is only read when data.source is 'hf'"),
+    ({"source": "files"}, "data.files must list at least one path when data.source is 'files', got []"),
+    ({"files": ["a.txt"]}, "data.files is only read when data.source is 'files' (source is 'stdlib'), got ['a.txt']"),
+    ({"source": "hf"}, ("data.hf_kwargs must hold load_dataset arguments (at least 'path') when data.source is "
+                        "'hf', got {}")),
+    ({"hf_kwargs": {"path": "x"}}, ("data.hf_kwargs is only read when data.source is 'hf' (source is 'stdlib'), "
+                                    "got {'path': 'x'}")),
     ({"text_column": ""}, "data.text_column must be a non-empty column name, got ''"),
     # split_by a source cannot honour: the stdlib always splits by file, hf by document
     ({"split_by": "document"}, ("data.split_by='document' is not honoured by data.source='stdlib', which splits "

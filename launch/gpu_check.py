@@ -120,7 +120,7 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
 
 
 HEADLINE_FILES = ("kernels", "six-encoder", "six-encoder-ws4", "six-encoder-compiled", "six-encoder-recompute",
-                  "six-encoder-align1", "six-encoder-nolt", "six-encoder-ffn-off",
+                  "six-encoder-align1", "six-encoder-nolt", "six-encoder-ffn-off", "six-encoder-peaks",
                   "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs",
                   "trainer-rate-graphs-opt")
 """The benchmark JSONs whose metrics the summary prints (what the GPU figures in docs/ come from)."""
@@ -182,8 +182,12 @@ def summary(outdir: str) -> int:
     # where each trainer-rate step's host time went, by phase (bench.host_profile's cumulative view)
     host = {f"{name} {step}": _host_phases(p) for name, r in results.items()
             for step, p in ((r.get("config") or {}).get("host_profile") or {}).items() if "by_cumulative" in p}
+    # what each eager batch-1 step holds at its peak, by the line that allocated it (bench.peak_allocations)
+    peaks = {f"{name} {row}": p for name, r in results.items()
+             for row, p in ((r.get("config") or {}).get("peak_allocations") or {}).items()}
     result = {"ok": ok, "env": env, "steps": rows, "total_seconds": sum(r["seconds"] for r in rows),
-              "metrics": figures, "cudagraph_trees": trees, "kernel_time": kernel_ms, "host_phases_ms": host}
+              "metrics": figures, "cudagraph_trees": trees, "kernel_time": kernel_ms, "host_phases_ms": host,
+              "peak_allocations": peaks}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ngpu_check summary ({env.get('device', '?')}, mode {env.get('mode', '?')}):")
     for r in rows:
@@ -197,6 +201,12 @@ def summary(outdir: str) -> int:
               ", ".join(f"{kind} {ms:.2f}" for kind, ms in k["by_kind_ms"].items()) + ")")
     for name, phases in host.items():
         print(f"  {name} host ms/step (cProfile): " + ", ".join(f"{f} {ms:.2f}" for f, ms in phases.items()))
+    for name, p in peaks.items():
+        if "rows" not in p:
+            print(f"  {name} peak allocations: {p.get('skipped') or p.get('error')}")
+            continue
+        print(f"  {name} peak allocations: {p['before_MiB']:.1f} MiB before the step, {p['transient_peak_MiB']:.1f} "
+              "MiB more at its peak: " + ", ".join(f"{r['where']} {r['MiB']:.2f}" for r in p["rows"][:8]))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

@@ -21,7 +21,8 @@
 # CoMERA with its grouped factors at their own middle rank (-align1: COMERA_RANK_ALIGN=1; by default it is padded to a
 # multiple of 8), and batch 1 with no product on cuBLASLt (-nolt: DISABLE_ADDMM_CUDA_LT=1, whose workspace is its own),
 # and dense against CoMERA with its TT FFN unfused (-ffn-off: COMERA_FFN_ROWS=off; by default its (T, F) middle
-# is remade in backward, not kept);
+# is remade in backward, not kept), and CoMERA and GaLore at batch 1 eager with the blocks live at each step's peak
+# named by the line that allocated them (-peaks: CUDA's allocator history);
 # bench trainer-rate (the real trainer on configs/six-encoder-mlm.yaml, 1 GPU, ZeRO 1, against the bare
 # CoMERA step of the same model and batch), eager, then with every parameter its own tensor
 # (-unpacked: deepspeed.pack_vectors=false), in bf16 without DeepSpeed's per-gradient overflow check
@@ -91,6 +92,10 @@ if [ "$MODE" = gpu ]; then
   # what the fused TT FFN (the default: the (T, F) pre-activation remade in backward) costs or buys in speed and
   # memory: the same rows with it off, beside bench-six-encoder's
   BENCH_SIX_FFN_OFF=("${BENCH_SIX_ALIGN1[@]}")
+  # what CoMERA's and GaLore's eager batch-1 steps hold at their peaks, by the line that allocated it: the
+  # batch-1 memory target needs about 13 MiB less of CoMERA's own 56 (the fourth lease)
+  BENCH_SIX_PEAKS=(-m comera_dist.bench six-encoder --batch-sizes 1 --dtypes fp32 --modes eager
+                   --contenders comera galore --steps 3 --peak-allocations)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --config configs/six-encoder-mlm.yaml --set data.max_files=300 --steps 30 --skip 5)
   GRAPHS_BACKEND=inductor
   T_KTEST=150 T_RUN=90 T_BENCH=120
@@ -116,6 +121,8 @@ else
                     --dtypes fp32 --steps 1)
   BENCH_SIX_NOLT=("${BENCH_SIX_ALIGN1[@]}")  # the same plumbing: the variables change nothing on a CPU
   BENCH_SIX_FFN_OFF=("${BENCH_SIX_ALIGN1[@]}")
+  BENCH_SIX_PEAKS=(-m comera_dist.bench six-encoder --smoke --device cpu --batch-sizes 1 --dtypes fp32 --modes eager
+                   --contenders comera galore --steps 1 --peak-allocations)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --smoke --steps 2)
   GRAPHS_BACKEND=aot_eager  # the plumbing only: inductor's C++ code generation takes minutes on a CPU
   T_KTEST=120 T_RUN=120 T_BENCH=90
@@ -137,7 +144,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs pretrain-recompute-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs pretrain-recompute-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off bench-six-encoder-peaks trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -240,6 +247,7 @@ run_step bench-six-encoder-nolt "$T_BENCH" env DISABLE_ADDMM_CUDA_LT=1 TORCH_BLA
   "$PYTHON" "${BENCH_SIX_NOLT[@]}" --json "$OUT/six-encoder-nolt.json"
 run_step bench-six-encoder-ffn-off "$T_BENCH" env COMERA_FFN_ROWS=off "$PYTHON" "${BENCH_SIX_FFN_OFF[@]}" \
   --json "$OUT/six-encoder-ffn-off.json"
+run_step bench-six-encoder-peaks "$T_BENCH" "$PYTHON" "${BENCH_SIX_PEAKS[@]}" --json "$OUT/six-encoder-peaks.json"
 run_step trainer-rate "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --json "$OUT/trainer-rate.json"
 # the same with every parameter its own tensor (deepspeed.pack_vectors=false): what packing buys (143 -> 6 tensors)
 run_step trainer-rate-unpacked "$T_BENCH" "$PYTHON" "${TRAINER_RATE[@]}" --set deepspeed.pack_vectors=false \

@@ -229,15 +229,20 @@ def main(argv: list[str]) -> int:
     device_only.add_argument("--profile", action="store_true",
                              help="also time each kernel of one step of every row at the largest batch "
                                   "(bench.kernel_time): the row's device_ms, the kinds in config.kernel_time")
+    device_only.add_argument("--peak-allocations", action="store_true",
+                             help="also record one more step of every eager row at the smallest batch with CUDA's "
+                                  "allocator history: the blocks live at its peak by the line that allocated them "
+                                  "(config.peak_allocations; bench.peak_allocations)")
     device_only.add_argument("--compile-backend", default="inductor",
                              help="torch.compile backend of the compiled modes (default inductor; aot_eager "
                                   "traces forward and backward without code generation)")
     args = p.parse_args(argv)
     if args.device is None and torch.cuda.is_available():
         args.device = "cuda"  # on a GPU machine the benchmark is the GPU comparison (launch/gpu_check.sh)
-    if args.device is None and (args.modes or args.dtypes or args.contenders or args.recompute or args.profile):
-        p.error("--modes, --dtypes, --contenders, --recompute and --profile belong to the device comparison: add "
-                "--device (e.g. --device cpu)")
+    if args.device is None and (args.modes or args.dtypes or args.contenders or args.recompute or args.profile
+                                or args.peak_allocations):
+        p.error("--modes, --dtypes, --contenders, --recompute, --profile and --peak-allocations belong to the device "
+                "comparison: add --device (e.g. --device cpu)")
     steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):

@@ -29,6 +29,7 @@ and the mode drops out of the metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 from typing import Any
@@ -40,6 +41,7 @@ from comera_dist.bench.common import CUBLAS_WORKSPACE_ENV, CUBLASLT_ENV, write_r
 from comera_dist.bench.compile_stats import graph_kernels, kernel_profile
 from comera_dist.bench.kernel_time import kernel_time
 from comera_dist.bench.memory_probe import step_peak_bytes
+from comera_dist.bench.peak_allocations import peak_allocations
 from comera_dist.bench.six_encoder import (
     ADAMW,
     MODES,
@@ -190,9 +192,10 @@ def metrics_of(rows: list[dict[str, Any]], sizes: list[int], dev: str) -> dict[s
 
 
 def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tuple[str, ...] | None,
-          counting: bool, kernels: dict[str, Any]) -> list[dict[str, Any]]:
+          counting: bool, kernels: dict[str, Any], peaks: dict[str, Any]) -> list[dict[str, Any]]:
     """``run_device``'s measured rows, one per contender, mode, dtype and batch size; with ``--profile`` the
-    kernel time of each row's step at the largest batch goes into ``kernels`` by row."""
+    kernel time of each row's step at the largest batch goes into ``kernels`` by row, with
+    ``--peak-allocations`` what each eager row at the smallest batch holds at its peak into ``peaks``."""
     b_lo = min(sizes)
     rows: list[dict[str, Any]] = []
     for dtype_name in args.dtypes or DEVICE_DTYPES:
@@ -223,6 +226,9 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
                                    tokens_per_s=b * batch["input_ids"].shape[1] / m["median_s"],
                                    peak_MiB=(m["peak_bytes"] - base) / 2**20,
                                    workspace_MiB=m["workspace_bytes"] / 2**20)
+                        if args.peak_allocations and mode == "eager" and b == b_lo:  # after the timed steps
+                            peaks[f"{name} {mode} {dtype_name} b{b}"] = peak_allocations(
+                                functools.partial(c.train_step, batch), device)
                     rows.append(row)
                 del c
                 gc.collect()  # module reference cycles would keep the last contender's tensors
@@ -267,8 +273,9 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: l
     # compiled to record themselves)
     counting = args.compile_backend == "inductor" and any(m.startswith("compiled") for m in wanted or ())
     kernels: dict[str, Any] = {}
+    peaks: dict[str, Any] = {}
     with kernel_profile() if counting else contextlib.nullcontext():
-        rows = _rows(args, device, steps, sizes, wanted, counting, kernels)
+        rows = _rows(args, device, steps, sizes, wanted, counting, kernels, peaks)
     dev = device.type
     # with every contender recomputing its blocks in backward the metrics are another comparison: named apart
     suffix = "_recompute" if args.recompute else ""
@@ -284,6 +291,9 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: l
               "recompute": args.recompute,
               # --profile: per row at the largest batch, its step's kernels' time by kind
               "kernel_time": kernels,
+              # --peak-allocations: per eager row at the smallest batch, the blocks live at its step's peak by
+              # the line that allocated them (bench.peak_allocations; CUDA's allocator history)
+              "peak_allocations": peaks,
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike
               "cublas_workspace_env": {k: os.environ.get(k) for k in CUBLAS_WORKSPACE_ENV},

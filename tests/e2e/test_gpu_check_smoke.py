@@ -37,6 +37,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
                                                      "bench-six-encoder-recompute", "bench-six-encoder-align1",
                                                      "bench-six-encoder-nolt", "bench-six-encoder-ffn-off",
+                                                     "bench-six-encoder-peaks",
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
                                                      "trainer-rate-lean", "trainer-rate-graphs",
                                                      "trainer-rate-graphs-opt"]
@@ -73,6 +74,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     ffn_off = json.loads((out / "six-encoder-ffn-off.json").read_text())  # CoMERA's TT FFN unfused
     assert ffn_off["config"]["ffn_rows"] == "off" and ws["config"]["ffn_rows"] == "auto"
     assert summary["metrics"]["six-encoder-ffn-off"]["speedup_vs_dense_b1_cpu_fp32"] > 0
+    peaks = summary["peak_allocations"]  # CUDA's allocator history: on the CPU each row says so
+    assert peaks == {f"six-encoder-peaks {c} eager fp32 b1": {"skipped": "the caching allocator's history is CUDA's"}
+                     for c in ("comera", "galore")}, peaks
+    assert "six-encoder-peaks comera eager fp32 b1 peak allocations: the caching allocator's history" in p.stdout
     compiled = summary["metrics"]["six-encoder-compiled"]  # the bf16 candidate: the loss compiled, both models
     assert compiled["speedup_vs_dense_compiled_b1_cpu_bf16"] > 0
     # --profile: each row's kernels by kind, in the summary and its printout

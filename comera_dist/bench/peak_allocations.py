@@ -1,0 +1,95 @@
+"""What is allocated at the peak of one step, by the line of code that allocated it (CUDA's allocator history).
+
+``torch.cuda.max_memory_allocated`` gives a step's peak as one number. The batch-1 memory target of issue 11
+needs to know what that number is made of: on the H200, CoMERA's 122.4 MiB held 66 MiB of cuBLAS workspace and
+56 MiB of its own, of which parameters, gradients and AdamW moments are about 18. This records the caching
+allocator's events during one step (``torch.cuda.memory._record_memory_history``, Python stacks), replays them
+to the moment the most bytes were live, and groups the blocks live then by the innermost frame of this package
+(else of torch) that allocated them. What was allocated before the step (parameters, optimizer state,
+workspaces made earlier) is not in the history: it is ``before_MiB``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+FREES = ("free_requested", "free_completed")
+
+
+NO_FRAME = "(no Python frame: autograd's backward of a built-in op, or C++)"
+
+
+def where(frames: Iterable[Mapping[str, Any]]) -> str:
+    """The innermost frame in ``comera_dist`` (else in ``torch``, else any) as ``path:line(name)``, the path
+    from the package root. Blocks that autograd's engine allocates in backward for built-in ops have no Python
+    frame (``NO_FRAME``); a custom ``autograd.Function``'s backward has its own."""
+    frames = list(frames)
+    if not frames:
+        return NO_FRAME
+    for package in ("comera_dist/", "torch/", ""):
+        for f in frames:  # innermost first, as the allocator records them
+            name = str(f.get("filename", ""))
+            if package in name:
+                short = name[name.rindex(package):] if package else name
+                return f"{short}:{f.get('line', '?')}({f.get('name', '?')})"
+    return NO_FRAME
+
+
+def live_at_peak(trace: Iterable[Mapping[str, Any]], top: int = 15) -> dict[str, Any]:
+    """Replay one device's allocator events (``alloc``, then ``free_requested``/``free_completed`` of the same
+    address): the bytes live at the peak, grouped by ``where`` they were allocated, largest first (``top``
+    groups; the rest summed as ``other_MiB``). A block freed twice (requested, then completed) counts once."""
+    events = list(trace)
+
+    def replay(upto: int | None) -> tuple[int, int, dict[int, tuple[int, str]]]:
+        live: dict[int, tuple[int, str]] = {}
+        total = best = best_at = 0
+        for i, e in enumerate(events if upto is None else events[:upto + 1]):
+            if e.get("action") == "alloc":
+                live[e["addr"]] = (int(e["size"]), where(e.get("frames") or ()))
+                total += int(e["size"])
+                if total > best:
+                    best, best_at = total, i
+            elif e.get("action") in FREES and e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+        return best, best_at, live
+
+    best, best_at, _ = replay(None)
+    _, _, live = replay(best_at) if best else (0, 0, {})
+    groups: dict[str, list[int]] = {}
+    for size, at in live.values():
+        groups.setdefault(at, []).append(size)
+    rows = sorted(({"where": at, "MiB": sum(s) / 2**20, "blocks": len(s), "largest_MiB": max(s) / 2**20}
+                   for at, s in groups.items()), key=lambda r: r["MiB"], reverse=True)
+    return {"transient_peak_MiB": best / 2**20, "rows": rows[:top],
+            "other_MiB": sum(r["MiB"] for r in rows[top:])}
+
+
+def peak_allocations(step: Callable[[], object], device: torch.device, top: int = 15) -> dict[str, Any]:
+    """Run ``step()`` once with the allocator's history recorded and return ``live_at_peak`` of it, with
+    ``before_MiB`` (allocated when the step began). CUDA only; elsewhere, or if the history cannot be recorded,
+    a dict that says why (``skipped``/``error``), so the benchmark's timings stand."""
+    if device.type != "cuda":
+        return {"skipped": "the caching allocator's history is CUDA's"}
+    memory = torch.cuda.memory
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    try:
+        # clear_history: an earlier recording's events (another contender's step, whose blocks' frees after it
+        # were not recorded) must not be replayed with this step's; a torch without it raises TypeError below
+        memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=1_000_000,
+                                      clear_history=True)
+        try:
+            step()
+            torch.cuda.synchronize(device)
+            snapshot = memory._snapshot()
+        finally:
+            memory._record_memory_history(enabled=None)
+    except (RuntimeError, TypeError, AttributeError) as e:  # an API another torch lacks: say so, keep the run
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    traces = snapshot.get("device_traces") or []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"before_MiB": before / 2**20, **live_at_peak(traces[index] if index < len(traces) else [], top)}

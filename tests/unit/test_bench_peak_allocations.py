@@ -1,0 +1,74 @@
+"""``bench.peak_allocations``: the blocks live at a step's peak, by the line that allocated them, replayed from the
+caching allocator's event history (its format: ``torch.cuda.memory._snapshot()["device_traces"]``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comera_dist.bench.peak_allocations import NO_FRAME, live_at_peak, peak_allocations, where
+
+MiB = 2**20
+
+
+def _frames(*sites: tuple[str, int, str]) -> list[dict]:
+    return [{"filename": f, "line": line, "name": n} for f, line, n in sites]
+
+
+FFN = _frames(("/x/torch/nn/functional.py", 10, "gelu"), ("/site/comera_dist/tensor/fused_ffn.py", 39, "forward"),
+              ("/site/comera_dist/models/blocks.py", 111, "forward"))
+ATTN = _frames(("/x/torch/nn/functional.py", 20, "softmax"), ("/site/comera_dist/models/blocks.py", 94, "forward"))
+TORCH_ONLY = _frames(("/x/lib/torch/optim/adamw.py", 5, "step"), ("/me/script.py", 1, "<module>"))
+
+
+def test_a_block_is_named_by_its_innermost_frame_of_the_package_else_torch():
+    assert where(FFN) == "comera_dist/tensor/fused_ffn.py:39(forward)"  # innermost first, as recorded
+    assert where(TORCH_ONLY) == "torch/optim/adamw.py:5(step)"
+    assert where(_frames(("/me/script.py", 1, "<module>"))) == "/me/script.py:1(<module>)"
+    assert where([]) == NO_FRAME  # autograd's engine allocating in backward
+
+
+def test_the_replay_finds_the_peak_and_what_was_live_then():
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 4 * MiB, "frames": FFN},
+        {"action": "alloc", "addr": 2, "size": 2 * MiB, "frames": ATTN},
+        {"action": "alloc", "addr": 3, "size": 3 * MiB, "frames": FFN},  # the peak: 9 MiB live
+        {"action": "free_requested", "addr": 1},
+        {"action": "free_completed", "addr": 1},  # the same block once more: counted once
+        {"action": "segment_alloc", "addr": 9, "size": 20 * MiB},  # segments are not tensors
+        {"action": "alloc", "addr": 4, "size": 5 * MiB, "frames": TORCH_ONLY},  # 10 MiB, but block 1 is gone: 10
+        {"action": "free_requested", "addr": 4},
+        {"action": "free_requested", "addr": 77},  # allocated before the history began: ignored
+        {"action": "alloc", "addr": 5, "size": 1 * MiB, "frames": ATTN},
+    ]
+    got = live_at_peak(trace, top=2)
+    assert got["transient_peak_MiB"] == 10  # 2 + 3 + 5 after block 1 went
+    assert got["rows"] == [
+        {"where": "torch/optim/adamw.py:5(step)", "MiB": 5, "blocks": 1, "largest_MiB": 5},
+        {"where": "comera_dist/tensor/fused_ffn.py:39(forward)", "MiB": 3, "blocks": 1, "largest_MiB": 3}]
+    assert got["other_MiB"] == 2  # the attention block beyond the top 2
+
+
+def test_an_empty_history_has_no_peak():
+    assert live_at_peak([]) == {"transient_peak_MiB": 0, "rows": [], "other_MiB": 0}
+
+
+def test_off_cuda_it_says_why_and_runs_nothing():
+    ran = []
+    assert peak_allocations(lambda: ran.append(1), torch.device("cpu")) == {
+        "skipped": "the caching allocator's history is CUDA's"} and ran == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the allocator's history)")
+def test_a_real_step_names_the_line_that_allocated_its_largest_block():
+    x = torch.ones(1024, device="cuda")
+
+    def step():
+        big = torch.empty(8 * MiB // 4, device="cuda")  # 8 MiB, the peak's largest block
+        return (big.sum() + x.sum()).item()
+
+    got = peak_allocations(step, torch.device("cuda"))
+    # the innermost frame of the package: peak_allocations' call of the step (the test file is not in it)
+    assert got["rows"][0]["largest_MiB"] == 8 and "comera_dist/bench/peak_allocations.py" in got["rows"][0]["where"]
+    assert got["transient_peak_MiB"] >= 8 and got["before_MiB"] >= 1024 * 4 / MiB

@@ -99,7 +99,7 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
     if "OMPI_COMM_WORLD_RANK" in env:
         if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != env["OMPI_COMM_WORLD_SIZE"] and "MASTER_ADDR" not in env:
             raise InputError("openmpi: ranks span several hosts but MASTER_ADDR is not set; "
-                               "export MASTER_ADDR=<address of rank 0's host>")
+                             "export MASTER_ADDR=<address of rank 0's host>")
         env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
         env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
         env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")

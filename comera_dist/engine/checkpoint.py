@@ -11,9 +11,9 @@ Layout under ``<output_dir>/checkpoints``::
         COMPLETE             the manifest (every file, size, xxh3-128 digest), written last: the checkpoint is whole
     latest                   the tag of the newest complete, verified checkpoint (DeepSpeed's format)
 
-All ranks call ``engine.save_checkpoint`` under a temporary tag ``.tmp-<tag>``; after a
-barrier, rank 0 adds the side files, the ranks hash (and fsync) a share of the files each, rank 0
-fsyncs the directory, writes the manifest and renames the directory to its final tag; then the
+All ranks call ``engine.save_checkpoint`` under a temporary tag ``.tmp-<tag>``; rank 0 adds the side
+files, each rank fsyncs the files it wrote; after a barrier the ranks hash (and fsync) a share of the
+files each, rank 0 fsyncs the directory, writes the manifest and renames the directory to its final tag; then the
 ranks re-verify the published files against the manifest, and only a verified checkpoint moves
 ``latest`` and lets retention delete older ones. A crash at any point leaves ``latest`` on the
 previous complete checkpoint; leftovers of temporary tags are ignored by ``resume auto`` and
@@ -103,6 +103,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_PER_RANK = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")
+"""DeepSpeed's per-rank shard names (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, a ``bf16_`` prefix under
+bf16, ``..._model_states.pt`` at ZeRO 3)."""
+
+
+def written_by(names: list[str], rank: int) -> list[str]:
+    """The files of a checkpoint that ``rank`` wrote: DeepSpeed's shards named for it, and on rank 0 every file
+    not named for a rank (the model states at ZeRO 0-2, the meta, config, consolidated state, side files)."""
+    def owner(name: str) -> int:
+        found = _PER_RANK.search(Path(name).name)
+        return int(found.group(1)) if found else 0
+
+    return [n for n in names if owner(n) == rank]
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _agree(problems: list[str]) -> list[str]:
     """Every rank's problems, all-gathered (collective): the same sorted verdict on every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -172,6 +192,10 @@ def save(engine, root: Path, step: int, *, client_state: dict[str, Any], meta: d
             torch.save(full_state, tmp_dir / FULL_STATE)
         for name, text in (side_files or {}).items():
             (tmp_dir / name).write_text(text)
+    # Each rank flushes what it wrote itself: on a file system shared across nodes, the rank that hashes (and
+    # fsyncs) a file below may be on another node, whose fsync need not flush the writer's cached pages.
+    for name in written_by(manifest.checkpoint_files(tmp_dir), rank):
+        _fsync_file(tmp_dir / name)
     dist.barrier()  # every rank's shards and the side files are on disk
     names = manifest.checkpoint_files(tmp_dir)  # the same list on every rank (shared file system)
     parts: list[Any] = [None] * dist.get_world_size()

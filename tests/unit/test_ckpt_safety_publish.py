@@ -135,3 +135,16 @@ def test_side_files_are_published_under_the_manifest(engine, tmp_path):
         with pytest.raises(ValueError, match=f"side_files may not replace the checkpoint's own \\['{own}'\\]"):
             ckpt.save(engine, tmp_path, 3, client_state={}, meta={}, resolved_config={}, keep=1,
                       side_files={own: "x"})
+
+
+NAMES = ["comera_full_state.pt", "comera_meta.json", "config.yaml", "metrics_history.json",
+         "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+         "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_10_mp_rank_00_model_states.pt"]
+
+
+def test_each_checkpoint_file_has_one_writer():
+    """The rank that fsyncs a file before the hashing (tests/distributed/test_ckpt_writer_fsync.py)."""
+    assert ckpt.written_by(NAMES, 1) == ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert ckpt.written_by(NAMES, 10) == ["zero_pp_rank_10_mp_rank_00_model_states.pt"]  # not rank 1's
+    assert ckpt.written_by(NAMES, 0) == NAMES[:6]  # its shard, and every file not named for a rank
+    assert ckpt.written_by(NAMES, 2) == []

@@ -71,7 +71,7 @@ if [ "$MODE" = gpu ]; then
   KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py
                 tests/unit/test_bench_compile_stats.py tests/unit/test_bench_kernel_time.py
                 tests/unit/test_tensor_fused_shared.py tests/unit/test_tensor_fused_ffn.py tests/unit/test_models_cpu_dropout.py
-                tests/unit/test_bench_workspace.py tests/kernels)
+                tests/unit/test_bench_workspace.py tests/unit/test_bench_peak_allocations.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   # --profile: each eager step's kernels at batch 32 timed by kind (config.kernel_time): where the device time goes
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10 --profile)
@@ -227,8 +227,8 @@ run_step pretrain-z0-graphs $((2 * T_RUN)) env COMERA_COMPILE_BACKEND=$GRAPHS_BA
    --set train.compile_mode=reduce-overhead --set deepspeed.gradient_accumulation_steps=2"
 # ZeRO 1 in bf16 compiled with CUDA graphs, every block recomputed in backward with dropout on: the bench's compiled
 # recompute step fails on the H200 ("Attempt to increase offset for a CUDA generator not in capture mode"); does
-# the trainer's (its module compiled, not the whole step)?
-run_step pretrain-recompute-graphs $((2 * T_RUN)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND bash -c \
+# the trainer's (its module compiled, not the whole step)? (3 runs' time: inductor compiles again after each prune)
+run_step pretrain-recompute-graphs $((3 * T_RUN)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND bash -c \
   "eval \"TRAIN=(\$TRAIN_Q)\"; pretrain_step 1 recompute-graphs --set model.activation_checkpointing=true \
    --set model.dropout=0.1 --set train.compile=true --set train.compile_mode=reduce-overhead"
 run_step bench-kernels "$T_BENCH" "$PYTHON" "${BENCH_KERNELS[@]}" --json "$OUT/kernels.json"

@@ -22,18 +22,24 @@ FREES = ("free_requested", "free_completed")
 NO_FRAME = "(no Python frame: autograd's backward of a built-in op, or C++)"
 
 
+def _in(package: str, filename: str) -> str | None:
+    """``filename`` from ``package``'s root (``comera_dist/...``), or None outside it (``torch/_functorch/`` is
+    torch's, not a package ``torch/`` of its own)."""
+    if not package:
+        return filename
+    at = filename.rfind("/" + package)
+    return filename[at + 1:] if at >= 0 else (filename if filename.startswith(package) else None)
+
+
 def where(frames: Iterable[Mapping[str, Any]]) -> str:
     """The innermost frame in ``comera_dist`` (else in ``torch``, else any) as ``path:line(name)``, the path
     from the package root. Blocks that autograd's engine allocates in backward for built-in ops have no Python
     frame (``NO_FRAME``); a custom ``autograd.Function``'s backward has its own."""
     frames = list(frames)
-    if not frames:
-        return NO_FRAME
     for package in ("comera_dist/", "torch/", ""):
         for f in frames:  # innermost first, as the allocator records them
-            name = str(f.get("filename", ""))
-            if package in name:
-                short = name[name.rindex(package):] if package else name
+            short = _in(package, str(f.get("filename", "")))
+            if short:
                 return f"{short}:{f.get('line', '?')}({f.get('name', '?')})"
     return NO_FRAME
 
@@ -41,7 +47,9 @@ def where(frames: Iterable[Mapping[str, Any]]) -> str:
 def live_at_peak(trace: Iterable[Mapping[str, Any]], top: int = 15) -> dict[str, Any]:
     """Replay one device's allocator events (``alloc``, then ``free_requested``/``free_completed`` of the same
     address): the bytes live at the peak, grouped by ``where`` they were allocated, largest first (``top``
-    groups; the rest summed as ``other_MiB``). A block freed twice (requested, then completed) counts once."""
+    groups; the rest summed as ``other_MiB``). A block freed twice (requested, then completed) counts once.
+    The events carry the sizes asked for: the allocator's own figures count whole blocks (rounded up to 512 B,
+    a large block not split for less than 1 MiB), so these fall a little short of ``max_memory_allocated``."""
     events = list(trace)
 
     def replay(upto: int | None) -> tuple[int, int, dict[int, tuple[int, str]]]:
@@ -70,16 +78,20 @@ def live_at_peak(trace: Iterable[Mapping[str, Any]], top: int = 15) -> dict[str,
 
 def peak_allocations(step: Callable[[], object], device: torch.device, top: int = 15) -> dict[str, Any]:
     """Run ``step()`` once with the allocator's history recorded and return ``live_at_peak`` of it, with
-    ``before_MiB`` (allocated when the step began). CUDA only; elsewhere, or if the history cannot be recorded,
-    a dict that says why (``skipped``/``error``), so the benchmark's timings stand."""
+    ``before_MiB`` (allocated when the step began) and the allocator's own peaks of the step in whole blocks
+    and in bytes asked for (``peak_allocated_MiB``, ``peak_requested_MiB``; the replay's figures are the
+    latter's kind). CUDA only; elsewhere, or if the history cannot be recorded, a dict that says why
+    (``skipped``/``error``), so the benchmark's timings stand."""
     if device.type != "cuda":
         return {"skipped": "the caching allocator's history is CUDA's"}
     memory = torch.cuda.memory
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
+    start = torch.cuda.memory_stats(device)  # what the step's peaks are counted above, in each unit
+    before = start.get("allocated_bytes.all.current", 0)
+    torch.cuda.reset_peak_memory_stats(device)
     try:
-        # clear_history: an earlier recording's events (another contender's step, whose blocks' frees after it
-        # were not recorded) must not be replayed with this step's; a torch without it raises TypeError below
+        # an earlier recording's events (another contender's step, whose later frees were not recorded) must not
+        # be replayed with this step's: switching the recording off clears them (below), clear_history too
         memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=1_000_000,
                                       clear_history=True)
         try:
@@ -90,6 +102,11 @@ def peak_allocations(step: Callable[[], object], device: torch.device, top: int 
             memory._record_memory_history(enabled=None)
     except (RuntimeError, TypeError, AttributeError) as e:  # an API another torch lacks: say so, keep the run
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+    stats = torch.cuda.memory_stats(device)
     traces = snapshot.get("device_traces") or []
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"before_MiB": before / 2**20, **live_at_peak(traces[index] if index < len(traces) else [], top)}
+    return {"before_MiB": before / 2**20,
+            "peak_allocated_MiB": (stats.get("allocated_bytes.all.peak", 0) - before) / 2**20,
+            "peak_requested_MiB": (stats.get("requested_bytes.all.peak", 0)
+                                   - start.get("requested_bytes.all.current", 0)) / 2**20,
+            **live_at_peak(traces[index] if index < len(traces) else [], top)}

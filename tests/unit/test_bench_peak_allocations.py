@@ -26,6 +26,9 @@ def test_a_block_is_named_by_its_innermost_frame_of_the_package_else_torch():
     assert where(TORCH_ONLY) == "torch/optim/adamw.py:5(step)"
     assert where(_frames(("/me/script.py", 1, "<module>"))) == "/me/script.py:1(<module>)"
     assert where([]) == NO_FRAME  # autograd's engine allocating in backward
+    # torch's own _functorch folder is torch's, not a package of its own
+    assert where(_frames(("/x/torch/_functorch/_aot_autograd/x.py", 3, "f"))) == "torch/_functorch/_aot_autograd/x.py:3(f)"
+    assert where(_frames(("comera_dist/layers/tt.py", 7, "g"))) == "comera_dist/layers/tt.py:7(g)"  # a relative path
 
 
 def test_the_replay_finds_the_peak_and_what_was_live_then():
@@ -72,3 +75,28 @@ def test_a_real_step_names_the_line_that_allocated_its_largest_block():
     # the innermost frame of the package: peak_allocations' call of the step (the test file is not in it)
     assert got["rows"][0]["largest_MiB"] == 8 and "comera_dist/bench/peak_allocations.py" in got["rows"][0]["where"]
     assert got["transient_peak_MiB"] >= 8 and got["before_MiB"] >= 1024 * 4 / MiB
+    # the replay's bytes are the ones asked for: the allocator's own peak of those agrees, its blocks' is no less
+    assert got["peak_requested_MiB"] == pytest.approx(got["transient_peak_MiB"], abs=0.01)
+    assert got["peak_allocated_MiB"] >= got["peak_requested_MiB"]
+
+
+def test_gpu_checks_summary_prints_a_recorded_peak(tmp_path, capsys):
+    """``launch/gpu_check.py summary`` on a result as a GPU records it (the CPU smoke only sees ``skipped``)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[2] / "launch/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    (tmp_path / "results.tsv").write_text("bench-six-encoder-peaks\t0\t30.0\tlogs/x.log\n")
+    trace = [{"action": "alloc", "addr": 1, "size": 3 * MiB, "frames": FFN}]
+    recorded = {"before_MiB": 18.0, "peak_allocated_MiB": 3.5, "peak_requested_MiB": 3.0, **live_at_peak(trace)}
+    (tmp_path / "six-encoder-peaks.json").write_text(json.dumps(
+        {"metrics": {}, "config": {"peak_allocations": {"comera eager fp32 b1": recorded}}}))
+    assert gpu_check.summary(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert ("six-encoder-peaks comera eager fp32 b1 peak allocations: 18.0 MiB before the step, 3.0 MiB more at its "
+            "peak as asked for (3.5 in the allocator's blocks): comera_dist/tensor/fused_ffn.py:39(forward) 3.00") in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["peak_allocations"]["six-encoder-peaks comera eager fp32 b1"]["rows"][0]["MiB"] == 3

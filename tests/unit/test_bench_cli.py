@@ -8,7 +8,8 @@ import pytest
 import comera_dist.bench as bench_pkg
 from comera_dist.bench.__main__ import available, main
 
-HELPERS = {"common", "compile-stats", "graphed", "host-profile", "kernel-time", "six-encoder-device"}
+HELPERS = {"common", "compile-stats", "graphed", "host-profile", "kernel-time", "peak-allocations",
+           "six-encoder-device"}
 """Modules the benchmarks import, without a ``main`` of their own."""
 
 

@@ -120,6 +120,7 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
 
 
 HEADLINE_FILES = ("kernels", "six-encoder", "six-encoder-ws4", "six-encoder-compiled", "six-encoder-recompute",
+                  "six-encoder-recompute-factors",
                   "six-encoder-align1", "six-encoder-nolt", "six-encoder-ffn-off", "six-encoder-peaks",
                   "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck", "trainer-rate-lean", "trainer-rate-graphs",
                   "trainer-rate-graphs-opt")

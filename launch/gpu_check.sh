@@ -17,7 +17,8 @@
 # six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
 # contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor and captured (-compiled; its rows
 # also count the kernels the compiled graphs launch, graph_kernels, beside bench ops --compiled's CPU proxy),
-# CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute), and dense against
+# CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute), and so with each recomputed
+# block remaking its TT factors too, with the peaks named (-recompute-factors: model.recompute_factors), and dense against
 # CoMERA with its grouped factors at their own middle rank (-align1: COMERA_RANK_ALIGN=1; by default it is padded to a
 # multiple of 8), and batch 1 with no product on cuBLASLt (-nolt: DISABLE_ADDMM_CUDA_LT=1, whose workspace is its own),
 # and dense against CoMERA with its TT FFN unfused (-ffn-off: COMERA_FFN_ROWS=off; by default its (T, F) middle
@@ -84,6 +85,11 @@ if [ "$MODE" = gpu ]; then
   # 162504: the RNG state is read during capture), so the compiled graph (RNG functionalised) runs beside it
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --recompute --modes eager graph compiled-graph
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 10)
+  # the same with each recomputed block remaking its TT factors (model.recompute_factors): on the CPU its batch-1
+  # peak was 17.8 MiB lower (the blocks' factors, their stacked cores and gradients) for twice the aten ops; the
+  # peaks named by line as -peaks does. compiled-graph left out: it failed with -recompute on the H200
+  BENCH_SIX_RECOMPUTE_FACTORS=(-m comera_dist.bench six-encoder --recompute-factors --modes eager graph
+                               --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 10 --peak-allocations)
   # what padding the middle rank to a multiple of 8 buys (the default): the same step at the factors' own rank
   BENCH_SIX_ALIGN1=(-m comera_dist.bench six-encoder --contenders dense comera --batch-sizes 1 32 --steps 10)
   # batch 1 with every biased product on plain cuBLAS (no cuBLASLt epilogue), for every contender: does the
@@ -117,6 +123,8 @@ else
                       --contenders dense comera --batch-sizes 1 --steps 1 --compile-backend aot_eager --profile)
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --smoke --device cpu --recompute --modes eager compiled
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 1 --compile-backend aot_eager)
+  BENCH_SIX_RECOMPUTE_FACTORS=(-m comera_dist.bench six-encoder --smoke --device cpu --recompute-factors --modes eager
+                               --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 1 --peak-allocations)
   BENCH_SIX_ALIGN1=(-m comera_dist.bench six-encoder --smoke --device cpu --contenders dense comera --batch-sizes 1
                     --dtypes fp32 --steps 1)
   BENCH_SIX_NOLT=("${BENCH_SIX_ALIGN1[@]}")  # the same plumbing: the variables change nothing on a CPU
@@ -144,7 +152,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 
-STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs pretrain-recompute-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off bench-six-encoder-peaks trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
+STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs pretrain-recompute-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-recompute-factors bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off bench-six-encoder-peaks trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
@@ -241,6 +249,8 @@ run_step bench-six-encoder-compiled $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_COMP
   --json "$OUT/six-encoder-compiled.json"
 run_step bench-six-encoder-recompute $((2 * T_BENCH)) "$PYTHON" "${BENCH_SIX_RECOMPUTE[@]}" \
   --json "$OUT/six-encoder-recompute.json"
+run_step bench-six-encoder-recompute-factors "$T_BENCH" "$PYTHON" "${BENCH_SIX_RECOMPUTE_FACTORS[@]}" \
+  --json "$OUT/six-encoder-recompute-factors.json"
 run_step bench-six-encoder-align1 "$T_BENCH" env COMERA_RANK_ALIGN=1 "$PYTHON" "${BENCH_SIX_ALIGN1[@]}" \
   --json "$OUT/six-encoder-align1.json"
 run_step bench-six-encoder-nolt "$T_BENCH" env DISABLE_ADDMM_CUDA_LT=1 TORCH_BLAS_PREFER_CUBLASLT=0 \

@@ -118,20 +118,21 @@ class Contender:
 
 
 def make_contender(name: str, *, smoke: bool, seed: int = 0, device: str | torch.device = "cpu",
-                   capturable: bool = False, recompute: bool = False) -> Contender:
+                   capturable: bool = False, recompute: bool = False, recompute_factors: bool = False) -> Contender:
     """Build ``dense``, ``galore`` or ``comera`` freshly (same seed, same architecture) on ``device``.
 
     ``capturable``: the AdamW keeps its step counts on the device, so the whole step can be captured
     in a CUDA graph (``bench.graphed``); GaLore's optimizer cannot be captured. ``recompute``: the
-    model recomputes each block's activations in backward (``model.activation_checkpointing``).
-    """
+    model recomputes each block's activations in backward (``model.activation_checkpointing``);
+    ``recompute_factors`` too, each block also remaking its TT factors there (``model.recompute_factors``)."""
     if name not in CONTENDERS:
         raise ValueError(f"contender must be one of {list(CONTENDERS)}, got {name!r}")
     if capturable and name == "galore":
         raise ValueError("the galore contender cannot be captured (its projections are host-side work)")
     adamw = dict(ADAMW, capturable=True) if capturable else ADAMW
     torch.manual_seed(seed)
-    cfg = replace(model_config(smoke=smoke), activation_checkpointing=recompute)
+    cfg = replace(model_config(smoke=smoke), activation_checkpointing=recompute or recompute_factors,
+                  recompute_factors=recompute_factors)
     lr = LrConfig()
     if name == "comera":
         model = build_model(cfg, tensorize_config(smoke=smoke)).to(device)
@@ -226,6 +227,9 @@ def main(argv: list[str]) -> int:
     device_only.add_argument("--recompute", action="store_true",
                              help="every contender recomputes each block's activations in backward "
                                   "(model.activation_checkpointing); metrics end in _recompute")
+    device_only.add_argument("--recompute-factors", action="store_true",
+                             help="as --recompute, and each recomputed block also remakes its TT factors L/R "
+                                  "(model.recompute_factors); metrics end in _recompute_factors")
     device_only.add_argument("--profile", action="store_true",
                              help="also time each kernel of one step of every row at the largest batch "
                                   "(bench.kernel_time): the row's device_ms, the kinds in config.kernel_time")
@@ -239,10 +243,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.device is None and torch.cuda.is_available():
         args.device = "cuda"  # on a GPU machine the benchmark is the GPU comparison (launch/gpu_check.sh)
-    if args.device is None and (args.modes or args.dtypes or args.contenders or args.recompute or args.profile
-                                or args.peak_allocations):
-        p.error("--modes, --dtypes, --contenders, --recompute, --profile and --peak-allocations belong to the device "
-                "comparison: add --device (e.g. --device cpu)")
+    if args.device is None and (args.modes or args.dtypes or args.contenders or args.recompute
+                                or args.recompute_factors or args.profile or args.peak_allocations):
+        p.error("--modes, --dtypes, --contenders, --recompute, --recompute-factors, --profile and --peak-allocations "
+                "belong to the device comparison: add --device (e.g. --device cpu)")
     steps = (10 if args.device else 2) if args.steps is None else args.steps
     sizes = args.batch_sizes if args.batch_size is None else [args.batch_size]
     if steps < 1 or any(b < 1 for b in sizes):

@@ -22,6 +22,8 @@ cuBLAS's workspaces freed first so each contender's peak includes its own (``_ba
 the profiler's peak of live tensors (``memory_probe.step_peak_bytes``). ``--recompute`` builds every
 contender with ``model.activation_checkpointing`` (each block recomputed in backward): what bounds
 CoMERA's memory at batch 1, paid in time, measured side by side; its metrics end in ``_recompute``.
+``--recompute-factors`` also has each recomputed block remake its TT factors (``model.recompute_factors``);
+metrics end in ``_recompute_factors``.
 A capture that fails (a host sync inside the step, say) is recorded as that row's ``error``
 and the mode drops out of the metrics.
 """
@@ -204,7 +206,7 @@ def _rows(args, device: torch.device, steps: int, sizes: list[int], wanted: tupl
             for mode in modes(name, device, wanted):
                 base = _baseline(device)  # what earlier contenders left: not this one's memory
                 c = make_contender(name, smoke=args.smoke, device=device, capturable=mode.endswith("graph"),
-                                   recompute=args.recompute)
+                                   recompute=args.recompute, recompute_factors=args.recompute_factors)
                 c.autocast = autocast
                 if mode.startswith("compiled"):
                     compile_loss(c, args.compile_backend)
@@ -278,7 +280,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: l
         rows = _rows(args, device, steps, sizes, wanted, counting, kernels, peaks)
     dev = device.type
     # with every contender recomputing its blocks in backward the metrics are another comparison: named apart
-    suffix = "_recompute" if args.recompute else ""
+    suffix = "_recompute_factors" if args.recompute_factors else "_recompute" if args.recompute else ""
     config = {"device": torch.cuda.get_device_name(device) if dev == "cuda" else dev, "steps": steps,
               "batch_sizes": sizes, "smoke": args.smoke, "seq_len": SMOKE_SEQ_LEN if args.smoke else SEQ_LEN,
               "adamw": ADAMW, "bf16": "torch.autocast over fp32 master weights",
@@ -288,7 +290,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: l
               "target": {k + suffix: v for k, v in (
                   (f"speedup_vs_dense_b32_{dev}_fp32", 2.0), (f"speedup_vs_dense_b32_{dev}_bf16", 1.5),
                   (f"speedup_vs_galore_b1_{dev}", 2.0), (f"memory_ratio_galore_over_comera_b1_{dev}", 9.0))},
-              "recompute": args.recompute,
+              "recompute": args.recompute or args.recompute_factors, "recompute_factors": args.recompute_factors,
               # --profile: per row at the largest batch, its step's kernels' time by kind
               "kernel_time": kernels,
               # --peak-allocations: per eager row at the smallest batch, the blocks live at its step's peak by

@@ -281,7 +281,9 @@ def rebuilt_command(name: str, result: dict[str, Any], stem: str | None = None) 
         args += ["--target-ratio", f"{ratio:g}"] if ratio != 4.23 else []
     elif name == "trainer-rate" and "device" in cfg:
         args += ["--device", "cpu" if cfg["device"] == "cpu" else "cuda"]
-    if cfg.get("recompute"):
+    if cfg.get("recompute_factors"):
+        args.append("--recompute-factors")
+    elif cfg.get("recompute"):
         args.append("--recompute")
     if cfg.get("smoke"):
         args.append("--smoke")

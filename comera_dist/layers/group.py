@@ -16,7 +16,7 @@ layers with a forced non-``lr`` order, and callers that pass none).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,8 @@ def partitioned(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def shared_factors_and_penalty(module: nn.Module) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
+def shared_factors_and_penalty(module: nn.Module, skip: Iterable[nn.Module] = ()
+                               ) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
     """``shared_factors(module)`` and the rank penalty R of every gate in ``module`` (None without gates).
 
     R is ``compression.penalty.rank_penalty``'s value, ``sum m(g) / #(g > tau)`` over all gates,
@@ -62,17 +63,21 @@ def shared_factors_and_penalty(module: nn.Module) -> tuple[dict[int, tuple[Tenso
     stack, so its gradient arrives once instead of being summed from the factors and a separate
     penalty pass. The gate vectors outside the groups (the embedding, singletons, forced orders)
     go through ``layers.base.gate_sums`` as the penalty's do.
+    ``skip``: submodules whose layers get no factors here (a recomputed block contracts its own inside its
+    recomputation, ``models.blocks.run_blocks``); their gates still count in R, through ``gate_sums``.
     Under ZeRO-3 (``partitioned``): no factors and no R (the caller computes R its own way).
     """
     if partitioned(module):
         return {}, None
-    return _shared(module, with_penalty=True)
+    return _shared(module, with_penalty=True, skip=skip)
 
 
-def _shared(module: nn.Module, *, with_penalty: bool) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
+def _shared(module: nn.Module, *, with_penalty: bool, skip: Iterable[nn.Module] = ()
+            ) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
+    skipped = {id(layer) for sub in skip for layer in sub.modules()}
     groups: dict[tuple, list[TTLinear]] = {}
     for layer in module.modules():
-        if isinstance(layer, TTLinear) and layer.order in ("auto", "lr"):
+        if isinstance(layer, TTLinear) and layer.order in ("auto", "lr") and id(layer) not in skipped:
             key = (layer.d, tuple(s[1:-1] for s in layer.core_shapes()), layer.core.dtype, layer.core.device)
             groups.setdefault(key, []).append(layer)
     out: dict[int, tuple[Tensor, Tensor]] = {}

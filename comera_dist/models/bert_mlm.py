@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import shared_factors_and_penalty
-from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs, run_blocks
+from comera_dist.models.blocks import (
+    BertEmbeddings,
+    PostLNBlock,
+    block_factors_skipped,
+    check_inputs,
+    run_blocks,
+)
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.factory import TensorizeSpec, make_output_head
 from comera_dist.models.token_loss import token_cross_entropy
@@ -54,8 +60,9 @@ class BertMLM(nn.Module):
         only, and logits are (B, P, V), aligned with ``labels.gather(1, mlm_positions)``.
         """
         keep = check_inputs(self.config, input_ids, attention_mask)
-        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
-        factors, penalty = shared_factors_and_penalty(self)
+        # every TT linear's L/R (same-shape layers contracted together; with model.recompute_factors each
+        # recomputed block contracts its own) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self, skip=block_factors_skipped(self))
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         x = run_blocks(self, x, keep, factors)  # (B, T, C)
         if mlm_positions is not None:

@@ -15,10 +15,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
-from comera_dist.layers.group import Factors, project, project_ffn, project_shared_input
+from comera_dist.layers.group import Factors, project, project_ffn, project_shared_input, shared_factors
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.cpu_dropout import Dropout, attention
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
+from comera_dist.tensor.smallops import in_outer_graph
 
 
 class SelfAttention(nn.Module):
@@ -117,22 +118,44 @@ backward runs inside (``engine.packing`` sets it, so a recomputed block reads it
 autograd, as its forward did, and saves what the forward saved)."""
 
 
+def recomputes(model: nn.Module) -> bool:
+    """Whether ``run_blocks`` recomputes ``model``'s blocks in this forward: ``model.activation_checkpointing``,
+    while training with gradients."""
+    return model.config.activation_checkpointing and model.training and torch.is_grad_enabled()
+
+
+def block_factors_skipped(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The blocks whose TT factors the model leaves out of its shared ones in this forward
+    (``layers.group.shared_factors_and_penalty``'s ``skip``): all of them when each contracts its own inside its
+    recomputation (``model.recompute_factors``), else none."""
+    return tuple(model.blocks) if recomputes(model) and model.config.recompute_factors else ()
+
+
 def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factors | None) -> Tensor:
     """``x`` (B, T, C) through ``model.blocks`` in turn -> (B, T, C).
 
-    With ``model.config.activation_checkpointing``, while training with gradients, each block runs under
-    ``torch.utils.checkpoint`` (non-reentrant): autograd keeps only the block's input, and the block runs
-    again in backward to remake what its own backward reads, with the RNG state of its forward (the same
-    dropout masks). The gradients are those of the plain forward. Under ``torch.compile`` the partitioner
-    decides the recomputation inside the graph, and the model's ``recompute_context`` is not used.
+    When ``recomputes(model)``, each block runs under ``torch.utils.checkpoint`` (non-reentrant): autograd keeps
+    only the block's input, and the block runs again in backward to remake what its own backward reads, with
+    the RNG state of its forward (the same dropout masks). With ``model.recompute_factors`` each block also
+    contracts its own layers' TT factors inside its checkpoint (``shared_factors(block)``; ``factors`` holds none
+    of them), so its ``L``/``R`` are remade with it instead of kept from the forward to the end of backward.
+    The gradients are those of the plain forward. Under ``torch.compile`` the partitioner decides the
+    recomputation inside the graph, and the model's ``recompute_context`` is not used.
     """
-    recompute = model.config.activation_checkpointing and model.training and torch.is_grad_enabled()
-    for block in model.blocks:
-        if recompute:
-            x = checkpoint(block, x, keep, factors, use_reentrant=False, **_recompute_context(model))
-        else:
+    if not recomputes(model):
+        for block in model.blocks:
             x = block(x, keep, factors)  # (B, T, C)
+        return x
+    own = bool(block_factors_skipped(model))
+    for block in model.blocks:
+        fn, args = (_with_own_factors, (block, x, keep)) if own else (block, (x, keep, factors))
+        x = checkpoint(fn, *args, use_reentrant=False, **_recompute_context(model))
     return x
+
+
+def _with_own_factors(block: nn.Module, x: Tensor, keep: Tensor | None) -> Tensor:
+    with in_outer_graph():  # the CPU's one-thread contractions in the graph the checkpoint drops
+        return block(x, keep, shared_factors(block))  # (B, T, C); {} under ZeRO-3: each layer contracts its own
 
 
 ContextPair = tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]

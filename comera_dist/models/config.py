@@ -48,6 +48,13 @@ class ModelConfig:
     non-reentrant; dropout replays the same masks): a block keeps only its input until backward, for
     about one more forward of compute. What bounds a compressed model's memory at small batches, where
     the TT factors are a few MiB and the activations most of the rest (``models.blocks.run_blocks``)."""
+    recompute_factors: bool = False
+    """With ``activation_checkpointing``: each recomputed block also contracts its own layers' TT factors
+    ``L``/``R`` inside its checkpoint, so they are remade with it, instead of the model contracting all layers
+    at once and keeping every block's factors from the forward to the end of backward. Less memory, more small
+    ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 18.1 MiB above its start instead of
+    35.9 (the factors, their stacked cores and their gradients), with 5,714 aten ops instead of 2,589
+    (``docs/NOTES.md``). Needs ``activation_checkpointing``."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -70,6 +77,9 @@ class ModelConfig:
             raise ValueError(f"model.layer_norm_eps must be > 0, got {self.layer_norm_eps}")
         if not self.init_std > 0:
             raise ValueError(f"model.init_std must be > 0, got {self.init_std}")
+        if self.recompute_factors and not self.activation_checkpointing:
+            raise ValueError("model.recompute_factors needs model.activation_checkpointing: true (the factors are "
+                             "remade with each recomputed block)")
 
     @property
     def head_dim(self) -> int:

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import Factors, shared_factors_and_penalty
-from comera_dist.models.blocks import FeedForward, SelfAttention, check_inputs, run_blocks
+from comera_dist.models.blocks import (
+    FeedForward,
+    SelfAttention,
+    block_factors_skipped,
+    check_inputs,
+    run_blocks,
+)
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.cpu_dropout import Dropout
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_output_head
@@ -56,8 +62,9 @@ class GPT(nn.Module):
         """input_ids, attention_mask, labels: (B, T). Returns loss (shifted next-token CE), logits (B, T, V) and
         rank_penalty (R from the forward's own masks; None for a dense model and under ZeRO-3)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
-        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
-        factors, penalty = shared_factors_and_penalty(self)
+        # every TT linear's L/R (same-shape layers contracted together; with model.recompute_factors each
+        # recomputed block contracts its own) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self, skip=block_factors_skipped(self))
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
         x = self.drop(self.word(input_ids) + self.position(pos))  # (B, T, C)
         x = run_blocks(self, x, keep, factors)  # (B, T, C)

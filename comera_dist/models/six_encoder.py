@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from comera_dist.layers.group import project, shared_factors_and_penalty
-from comera_dist.models.blocks import BertEmbeddings, PostLNBlock, check_inputs, run_blocks
+from comera_dist.models.blocks import (
+    BertEmbeddings,
+    PostLNBlock,
+    block_factors_skipped,
+    check_inputs,
+    run_blocks,
+)
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.cpu_dropout import Dropout
 from comera_dist.models.factory import TensorizeSpec, make_linear
@@ -40,8 +46,9 @@ class SixEncoderClassifier(nn.Module):
         """input_ids, attention_mask: (B, T); labels: (B,) class ids. Returns loss, logits (B, num_labels) and
         rank_penalty (R of ``compression.penalty.rank_penalty``, None for a dense model)."""
         keep = check_inputs(self.config, input_ids, attention_mask)
-        # every TT linear's L/R (same-shape layers contracted together) and the rank penalty R from the same masks
-        factors, penalty = shared_factors_and_penalty(self)
+        # every TT linear's L/R (same-shape layers contracted together; with model.recompute_factors each
+        # recomputed block contracts its own) and the rank penalty R from the same masks
+        factors, penalty = shared_factors_and_penalty(self, skip=block_factors_skipped(self))
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, C)
         x = run_blocks(self, x, keep, factors)  # (B, T, C)
         pooled = torch.tanh(project(self.pooler, x[:, 0], factors))  # (B, C) from the first ([CLS]) token

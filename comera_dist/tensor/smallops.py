@@ -7,11 +7,17 @@ GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/layers-
 ``on_one_thread(fn, *tensors)`` evaluates ``fn`` with one thread and replays its backward the
 same way through a private autograd graph. CUDA tensors, ``torch.compile`` tracing and
 single-threaded processes call ``fn`` directly. Double backward through it is not supported.
+
+The private graph escapes ``torch.utils.checkpoint``: its node holds ``fn``'s outputs (and through them
+its graph) past any saved-tensor hook until the outer graph is freed, so inside a recomputed block it would
+keep what the checkpoint is there to drop (a six-encoder's factors, 10 MiB). Inside ``in_outer_graph()`` the
+forward still runs on one thread, but in the caller's graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -53,11 +59,27 @@ class _OneThreadFn(torch.autograd.Function):
         return (None, *result)
 
 
+_outer = False
+
+
+@contextlib.contextmanager
+def in_outer_graph() -> Iterator[None]:
+    """Inside the block, ``on_one_thread`` records its ops in the caller's autograd graph (its forward still
+    on one thread, its backward on the process's threads), where ``torch.utils.checkpoint`` sees what they save
+    (``models.blocks.run_blocks``'s recomputed blocks)."""
+    global _outer
+    previous, _outer = _outer, True
+    try:
+        yield
+    finally:
+        _outer = previous
+
+
 def on_one_thread(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
     """``fn(*inputs)`` (a tuple of tensors) computed, and differentiated, on one CPU thread."""
     if torch.compiler.is_compiling() or torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
         return fn(*inputs)  # compiled graphs schedule their own small ops
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+    if _outer or not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         with _OneThread():
             return fn(*inputs)
     return _OneThreadFn.apply(fn, *inputs)

@@ -15,16 +15,16 @@ VOCAB, HIDDEN, SEQ, MICRO = 64, 16, 8, 2
 
 def tiny_config(output_dir: Path | str, *, zero_stage: int = 0, steps: int = 4, accumulation: int = 1,
                 late_stage_step: int | None = None, prune_every: int = 0, gamma: float = 0.01,
-                dropout: float = 0.0, arch: str = "bert_mlm", ffn: bool = True, recompute: bool = False,
+                dropout: float = 0.0, arch: str = "bert_mlm", ffn: bool = True, recompute: bool | str = False,
                 **deepspeed: Any) -> RunConfig:
     """A 1-block BERT-like MLM (or ``arch="gpt"``: the causal model) with TT attention/FFN (4 cores) and
     a TTM embedding; dropout off unless asked for (a resume test needs it on: only then does the
     restored RNG stream matter); ``ffn=False`` keeps the FFN dense (``layers.dense.Linear``); ``recompute``:
-    ``model.activation_checkpointing``."""
+    ``model.activation_checkpointing`` (``"factors"``: and ``model.recompute_factors``)."""
     data = {
         "model": {"arch": arch, "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": 1,
                   "num_heads": 2, "intermediate_size": 32, "max_positions": 16, "dropout": dropout,
-                  "activation_checkpointing": recompute},
+                  "activation_checkpointing": bool(recompute), "recompute_factors": recompute == "factors"},
         "comera": {"tensorize": {"num_cores": 4, "embedding_num_cores": 2, "max_rank": 4,
                                  "embedding_max_rank": 4, "ffn": ffn},
                    "controller": {"gamma": gamma, "late_stage_step": late_stage_step, "target_ratio": 0.5,

@@ -1,6 +1,7 @@
 """``model.activation_checkpointing`` under DeepSpeed on 2 real ranks: recomputed blocks train exactly like
 stored activations at ZeRO 1 (the packed engine, whose owners hold detached views between forwards) and
-at ZeRO 3 (the recomputed block's parameters gathered again in backward), with dropout on."""
+at ZeRO 3 (the recomputed block's parameters gathered again in backward), with dropout on; so do blocks that
+remake their TT factors too (``model.recompute_factors``; at ZeRO 3 each layer contracts its own anyway)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
     blocks.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)  # counts the checkpointed blocks
     out = {}
     for stage in STAGES:
-        for recompute in (False, True):
+        for recompute in (False, True, "factors"):
             calls.clear()
             cfg = tiny_config(f"{outdir}/z{stage}{recompute}", zero_stage=stage, steps=3, dropout=0.1,
                               recompute=recompute)
@@ -38,8 +39,10 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
 def test_recomputed_blocks_train_like_stored_activations_at_zero_1_and_3(tmp_path):
     results = run_ranks(_train, tmp_path / "work", str(tmp_path / "runs"))
     for r in results:
-        assert r[(1, True)]["packed"] and not r[(3, True)]["packed"]
+        assert r[(1, True)]["packed"] and r[(1, "factors")]["packed"] and not r[(3, True)]["packed"]
         for stage in STAGES:
-            assert r[(stage, True)]["checkpointed"] == 3 and r[(stage, False)]["checkpointed"] == 0  # 1 block
-            assert_same_training(r[(stage, True)], r[(stage, False)], stage)
+            assert r[(stage, False)]["checkpointed"] == 0  # 1 block, checkpointed once a step when recomputed
+            for recompute in (True, "factors"):
+                assert r[(stage, recompute)]["checkpointed"] == 3
+                assert_same_training(r[(stage, recompute)], r[(stage, False)], stage)
     assert results[0][(1, True)]["losses"] == results[1][(1, True)]["losses"]

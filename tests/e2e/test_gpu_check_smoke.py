@@ -35,7 +35,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                      "pretrain-recompute-graphs", "bench-kernels",
                                                      "bench-six-encoder",
                                                      "bench-six-encoder-ws4", "bench-six-encoder-compiled",
-                                                     "bench-six-encoder-recompute", "bench-six-encoder-align1",
+                                                     "bench-six-encoder-recompute",
+                                                     "bench-six-encoder-recompute-factors", "bench-six-encoder-align1",
                                                      "bench-six-encoder-nolt", "bench-six-encoder-ffn-off",
                                                      "bench-six-encoder-peaks",
                                                      "trainer-rate", "trainer-rate-unpacked", "trainer-rate-nocheck",
@@ -64,6 +65,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert {(r["contender"], r["mode"]) for r in recompute["rows"] if "error" not in r} == {
         ("comera", "eager"), ("comera", "compiled"), ("galore", "eager")}
     assert summary["metrics"]["six-encoder-recompute"]["memory_ratio_galore_over_comera_b1_cpu_recompute"] > 0
+    factors = json.loads((out / "six-encoder-recompute-factors.json").read_text())  # blocks remake their factors
+    assert factors["config"]["recompute_factors"] is True
+    assert summary["metrics"]["six-encoder-recompute-factors"][
+        "memory_ratio_galore_over_comera_b1_cpu_recompute_factors"] > 0
     align1 = json.loads((out / "six-encoder-align1.json").read_text())  # the factors at their own middle rank
     assert align1["config"]["rank_align"] == 1 and ws["config"]["rank_align"] == 8
     assert summary["metrics"]["six-encoder-align1"]["speedup_vs_dense_b1_cpu_fp32"] > 0

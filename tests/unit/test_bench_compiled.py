@@ -89,19 +89,21 @@ def test_inductor_compiled_rows_count_their_graphs_kernels(tmp_path):
 
 def test_recompute_run_names_its_metrics_apart_and_keeps_less_at_batch_1(tmp_path):
     """``--recompute``: every contender recomputes its blocks; on the CPU the peak is the profiler's, which
-    sees the recomputed activations, and CoMERA's batch-1 peak is below the plain run's."""
+    sees the recomputed activations, and CoMERA's batch-1 peak is below the plain run's; with
+    ``--recompute-factors`` (each block remaking its TT factors too) lower still. GaLore has no factors."""
     peaks = {}
-    for flag in ([], ["--recompute"]):
-        out = tmp_path / f"se{len(flag)}.json"
+    for flag, suffix in (([], ""), (["--recompute"], "_recompute"), (["--recompute-factors"], "_recompute_factors")):
+        out = tmp_path / f"se{suffix}.json"
         assert six_encoder.main(["--smoke", "--device", "cpu", "--dtypes", "fp32", "--contenders", "comera",
                                  "galore", "--batch-sizes", "1", "--steps", "1", "--json", str(out), *flag]) == 0
         r = json.loads(out.read_text())
         assert r["config"]["recompute"] is bool(flag)
-        suffix = "_recompute" if flag else ""
+        assert r["config"]["recompute_factors"] is (suffix == "_recompute_factors")
         assert set(r["metrics"]) == {f"speedup_vs_galore_b1_cpu{suffix}", f"memory_ratio_galore_over_comera_b1_cpu{suffix}"}
         assert f"memory_ratio_galore_over_comera_b1_cpu{suffix}" in r["config"]["target"]
-        peaks[bool(flag)] = {row["contender"]: row["peak_MiB"] for row in r["rows"]}
-    assert peaks[True]["comera"] < peaks[False]["comera"], peaks
+        peaks[suffix] = {row["contender"]: row["peak_MiB"] for row in r["rows"]}
+    assert peaks["_recompute_factors"]["comera"] < peaks["_recompute"]["comera"] < peaks[""]["comera"], peaks
+    assert peaks["_recompute_factors"]["galore"] == peaks["_recompute"]["galore"], peaks
 
 
 def test_profile_times_each_rows_kernels_at_the_largest_batch(tmp_path):
@@ -120,7 +122,7 @@ def test_profile_times_each_rows_kernels_at_the_largest_batch(tmp_path):
 
 
 def test_row_selection_needs_the_device_comparison(capsys):
-    for flag in (["--modes", "compiled"], ["--recompute"], ["--profile"]):
+    for flag in (["--modes", "compiled"], ["--recompute"], ["--recompute-factors"], ["--profile"]):
         with pytest.raises(SystemExit):
             six_encoder.main(["--smoke", *flag])
         assert "--device" in capsys.readouterr().err

@@ -1,11 +1,14 @@
-"""``on_one_thread``: same values and gradients as a direct call, on one thread, count restored."""
+"""``on_one_thread``: same values and gradients as a direct call, on one thread, count restored; inside
+``in_outer_graph`` its ops are in the caller's graph, where saved-tensor hooks (a checkpoint) see them."""
+
+import contextlib
 
 import pytest
 import torch
 
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.tensor import contract
-from comera_dist.tensor.smallops import on_one_thread
+from comera_dist.tensor.smallops import in_outer_graph, on_one_thread
 
 
 @pytest.fixture
@@ -59,3 +62,28 @@ def test_layers_match_with_several_threads(two_threads):
             torch.testing.assert_close(a, b)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), want_out)
+
+
+def test_in_outer_graph_records_the_ops_in_the_callers_graph(two_threads):
+    """The private graph's node holds ``fn``'s outputs and leaves past any saved-tensor hook, so a checkpoint
+    around it cannot drop them (``models.blocks``' recomputed factors; the memory itself is tested in
+    ``test_models_recompute``). Inside ``in_outer_graph`` the same ``fn`` still runs on one thread, its ops in the
+    caller's graph, with the same values and gradients."""
+    a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    threads = []
+
+    def fn(x, y):
+        threads.append(torch.get_num_threads())
+        return (x @ y,)
+
+    results = {}
+    for outer in (False, True):
+        with in_outer_graph() if outer else contextlib.nullcontext():
+            out, = on_one_thread(fn, a, b)
+        results[outer] = (type(out.grad_fn).__name__, out, torch.autograd.grad(out.sum(), (a, b)))
+    assert threads == [1, 1] and torch.get_num_threads() == 2
+    assert results[False][0] == "_OneThreadFnBackward" and results[True][0] == "MmBackward0"
+    torch.testing.assert_close(results[True][1], results[False][1])
+    for got, want in zip(results[True][2], results[False][2], strict=True):
+        torch.testing.assert_close(got, want)

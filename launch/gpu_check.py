@@ -206,9 +206,10 @@ def summary(outdir: str) -> int:
         if "rows" not in p:
             print(f"  {name} peak allocations: {p.get('skipped') or p.get('error')}")
             continue
-        print(f"  {name} peak allocations: {p['before_MiB']:.1f} MiB before the step, {p['transient_peak_MiB']:.1f} "
-              f"MiB more at its peak as asked for ({p['peak_allocated_MiB']:.1f} in the allocator's blocks): "
-              + ", ".join(f"{r['where']} {r['MiB']:.2f}" for r in p["rows"][:8]))
+        head = (f"{p['before_MiB']:.1f} MiB before the step, {p['transient_peak_MiB']:.1f} MiB more at its peak as "
+                f"asked for ({p['peak_allocated_MiB']:.1f} in the allocator's blocks)" if "before_MiB" in p else
+                f"{p['transient_peak_MiB']:.1f} MiB allocated in the step at its peak ({p.get('recorded_by')})")
+        print(f"  {name} peak allocations: {head}: " + ", ".join(f"{r['where']} {r['MiB']:.2f}" for r in p["rows"][:8]))
     print(f"  {'PASS' if ok else 'FAIL'}: {sum(r['rc'] == 0 for r in rows)}/{len(rows)} steps, "
           f"{result['total_seconds']:.0f} s; details in {out}/summary.json")
     return 0 if ok else 1

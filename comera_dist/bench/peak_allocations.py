@@ -1,4 +1,5 @@
-"""What is allocated at the peak of one step, by the line of code that allocated it (CUDA's allocator history).
+"""What is allocated at the peak of one step, by the line of code that allocated it (CUDA's allocator history;
+on the CPU, ``torch.profiler``'s allocation events).
 
 ``torch.cuda.max_memory_allocated`` gives a step's peak as one number. The batch-1 memory target of issue 11
 needs to know what that number is made of: on the H200, CoMERA's 122.4 MiB held 66 MiB of cuBLAS workspace and
@@ -7,10 +8,16 @@ allocator's events during one step (``torch.cuda.memory._record_memory_history``
 to the moment the most bytes were live, and groups the blocks live then by the innermost frame of this package
 (else of torch) that allocated them. What was allocated before the step (parameters, optimizer state,
 workspaces made earlier) is not in the history: it is ``before_MiB``.
+
+On the CPU the profiler records each allocation and free of the step with the Python calls it ran under
+(``cpu_trace``), which replay the same way. The CPU has no allocator statistics: no ``before_MiB`` and no
+allocator peaks there, and the model's CPU paths differ from the GPU's in places (the CPU's dropout and
+attention, ``tensor.smallops``). It is what found what ``model.recompute_factors`` frees.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -80,10 +87,15 @@ def peak_allocations(step: Callable[[], object], device: torch.device, top: int 
     """Run ``step()`` once with the allocator's history recorded and return ``live_at_peak`` of it, with
     ``before_MiB`` (allocated when the step began) and the allocator's own peaks of the step in whole blocks
     and in bytes asked for (``peak_allocated_MiB``, ``peak_requested_MiB``; the replay's figures are the
-    latter's kind). CUDA only; elsewhere, or if the history cannot be recorded, a dict that says why
-    (``skipped``/``error``), so the benchmark's timings stand."""
+    latter's kind). On the CPU ``live_at_peak`` of ``cpu_trace`` only. On another device, or if the history
+    cannot be recorded, a dict that says why (``skipped``/``error``), so the benchmark's timings stand."""
+    if device.type == "cpu":
+        try:
+            return {"recorded_by": "torch.profiler", **live_at_peak(cpu_trace(step), top)}
+        except (RuntimeError, TypeError, AttributeError) as e:  # the profiler's event tree changed: say so
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
     if device.type != "cuda":
-        return {"skipped": "the caching allocator's history is CUDA's"}
+        return {"skipped": f"no allocation history on {device.type} (CUDA's allocator, or the CPU's profiler)"}
     memory = torch.cuda.memory
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_stats(device)  # what the step's peaks are counted above, in each unit
@@ -110,3 +122,46 @@ def peak_allocations(step: Callable[[], object], device: torch.device, top: int 
             "peak_requested_MiB": (stats.get("requested_bytes.all.peak", 0)
                                    - start.get("requested_bytes.all.current", 0)) / 2**20,
             **live_at_peak(traces[index] if index < len(traces) else [], top)}
+
+
+_PY_CALL = re.compile(r"^(?P<filename>.*)\((?P<line>\d+)\): (?P<name>.*)$")
+
+
+def cpu_trace(step: Callable[[], object]) -> list[dict[str, Any]]:
+    """Run ``step()`` under ``torch.profiler`` (memory and Python stacks) and return its CPU allocations and frees
+    in order, in the allocator history's format (``alloc`` with ``addr``, ``size`` and ``frames`` innermost
+    first; ``free_completed``), for ``live_at_peak``. A free of memory allocated before the step is in it too
+    (the replay ignores it)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        step()
+    found, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            found.append(e)
+    found.sort(key=lambda e: (e.start_time_ns, e.typed[1].alloc_size > 0))  # at one instant, frees first
+    trace: list[dict[str, Any]] = []
+    for e in found:
+        fields = e.typed[1]
+        if fields.alloc_size > 0:
+            trace.append({"action": "alloc", "addr": fields.ptr, "size": fields.alloc_size, "frames": _py_frames(e)})
+        else:
+            trace.append({"action": "free_completed", "addr": fields.ptr})
+    return trace
+
+
+def _py_frames(event: Any) -> list[dict[str, Any]]:
+    """The Python calls ``event`` ran under, innermost first, as the allocator history's frames."""
+    from torch._C._profiler import _EventType
+
+    frames = []
+    e = event.parent
+    while e is not None:
+        if e.typed[0] == _EventType.PyCall and (m := _PY_CALL.match(e.name)):
+            frames.append({"filename": m["filename"], "line": int(m["line"]), "name": m["name"]})
+        e = e.parent
+    return frames

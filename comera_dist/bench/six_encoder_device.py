@@ -294,7 +294,7 @@ def run_device(args, device: torch.device, steps: int, sizes: list[int], argv: l
               # --profile: per row at the largest batch, its step's kernels' time by kind
               "kernel_time": kernels,
               # --peak-allocations: per eager row at the smallest batch, the blocks live at its step's peak by
-              # the line that allocated them (bench.peak_allocations; CUDA's allocator history)
+              # the line that allocated them (bench.peak_allocations; CUDA's allocator history, the CPU's profiler)
               "peak_allocations": peaks,
               # cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's
               # default, 65 MiB per stream on the H200); they apply to every contender of the run alike

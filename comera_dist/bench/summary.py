@@ -155,6 +155,7 @@ def section(name: str, result: dict[str, Any], bench_dir: Path, doc_dir: Path) -
     load = (cfg.get("load_avg_start"), cfg.get("load_avg_end"))
     run = {k: v for k, v in cfg.items() if k in ("steps", "batch_size", "batch_sizes", "seq_len", "threads",
                                                   "smoke", "keep", "loop", "galore", "config", "overrides", "recompute",
+                                                  "recompute_factors",
                                                   "schedule_scale", "dense_lrs", "dense_lr")}
     lines += [f"Run settings: `{json.dumps(run)}`.", ""]
     machine = result.get("machine", {})

@@ -52,9 +52,9 @@ class ModelConfig:
     """With ``activation_checkpointing``: each recomputed block also contracts its own layers' TT factors
     ``L``/``R`` inside its checkpoint, so they are remade with it, instead of the model contracting all layers
     at once and keeping every block's factors from the forward to the end of backward. Less memory, more small
-    ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 18.1 MiB above its start instead of
-    35.9 (the factors, their stacked cores and their gradients), with 5,714 aten ops instead of 2,589
-    (``docs/NOTES.md``). Needs ``activation_checkpointing``."""
+    ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 31.8 MiB instead of 49.6 (the
+    factors, their stacked cores and their gradients), with 5,714 aten ops instead of 2,589
+    (``docs/bench/notes/six-encoder-recompute-factors-cpu.md``). Needs ``activation_checkpointing``."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -1,12 +1,13 @@
 """``bench.peak_allocations``: the blocks live at a step's peak, by the line that allocated them, replayed from the
-caching allocator's event history (its format: ``torch.cuda.memory._snapshot()["device_traces"]``)."""
+caching allocator's event history (its format: ``torch.cuda.memory._snapshot()["device_traces"]``), or on the CPU
+from ``torch.profiler``'s allocation events in that format."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from comera_dist.bench.peak_allocations import NO_FRAME, live_at_peak, peak_allocations, where
+from comera_dist.bench.peak_allocations import NO_FRAME, cpu_trace, live_at_peak, peak_allocations, where
 
 MiB = 2**20
 
@@ -56,10 +57,31 @@ def test_an_empty_history_has_no_peak():
     assert live_at_peak([]) == {"transient_peak_MiB": 0, "rows": [], "other_MiB": 0}
 
 
-def test_off_cuda_it_says_why_and_runs_nothing():
+def test_without_a_history_it_says_why_and_runs_nothing():
     ran = []
-    assert peak_allocations(lambda: ran.append(1), torch.device("cpu")) == {
-        "skipped": "the caching allocator's history is CUDA's"} and ran == []
+    got = peak_allocations(lambda: ran.append(1), torch.device("meta"))
+    assert got == {"skipped": "no allocation history on meta (CUDA's allocator, or the CPU's profiler)"} and ran == []
+
+
+def test_on_the_cpu_the_profiler_names_the_line_that_allocated_the_largest_live_block():
+    """``cpu_trace``: the step's allocations and frees from ``torch.profiler``, replayed as CUDA's are. At the
+    peak the 8 MiB block and the 1 MiB one are live, the 2 MiB one freed before them; the blocks are named by
+    the innermost frame of the package (the test file is not in it: ``peak_allocations``' call of the step)."""
+    def step():
+        gone = torch.empty(2 * MiB // 4)
+        del gone
+        big = torch.empty(8 * MiB // 4)
+        small = torch.ones(MiB // 4)
+        return float(big.sum() + small.sum())
+
+    got = peak_allocations(step, torch.device("cpu"))
+    assert got["recorded_by"] == "torch.profiler" and "before_MiB" not in got
+    assert got["transient_peak_MiB"] == pytest.approx(9, abs=0.01), got
+    assert got["rows"][0]["largest_MiB"] == 8 and got["rows"][0]["MiB"] == pytest.approx(9, abs=0.01), got["rows"]
+    assert got["rows"][0]["where"].startswith("comera_dist/bench/peak_allocations.py:"), got["rows"]
+    trace = cpu_trace(step)
+    assert [e["action"] for e in trace if e.get("size", 0) >= MiB] == ["alloc"] * 3  # 2, 8 and 1 MiB, in order
+    assert [e["size"] // MiB for e in trace if e.get("size", 0) >= MiB] == [2, 8, 1]
 
 
 @pytest.mark.gpu

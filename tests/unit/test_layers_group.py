@@ -146,7 +146,8 @@ def test_six_encoder_with_and_without_shared_factors(monkeypatch):
     results = []
     for share in (True, False):
         if not share:
-            monkeypatch.setattr("comera_dist.models.six_encoder.shared_factors_and_penalty", lambda m: ({}, None))
+            monkeypatch.setattr("comera_dist.models.six_encoder.shared_factors_and_penalty",
+                                lambda m, skip=(): ({}, None))
         model.zero_grad()
         loss = model(ids, labels=labels)["loss"]
         loss.backward()
@@ -179,7 +180,8 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
             layer.gate[::3] = 0.005
     for share in (True, False):
         if not share:
-            monkeypatch.setattr(f"comera_dist.models.{arch}.shared_factors_and_penalty", lambda m: ({}, None))
+            monkeypatch.setattr(f"comera_dist.models.{arch}.shared_factors_and_penalty",
+                                lambda m, skip=(): ({}, None))
         model.zero_grad()
         out = model(ids, labels=ids)
         penalty = out["rank_penalty"] if share else rank_penalty(model)  # the session's two sources of R
@@ -192,6 +194,33 @@ def test_pretraining_models_share_factors_and_match_the_per_layer_path(monkeypat
     assert 0.5 < float(results[0][1]) < 1.5 and float(results[0][1]) != 1.0
     for a, b in zip(results[0][2], results[1][2], strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_skipped_submodules_get_no_factors_and_their_gates_still_count_in_the_penalty():
+    """``skip`` (a recomputed block contracts its own factors, ``model.recompute_factors``): the skipped blocks'
+    layers get no factors, the others the same ones as without ``skip``, and R is ``rank_penalty``'s, value and
+    gate gradients, its skipped gates counted through ``gate_sums``."""
+    cfg = ModelConfig(arch="six_encoder_cls", vocab_size=50, hidden_size=16, num_layers=2, num_heads=2,
+                      intermediate_size=32, max_positions=8, num_labels=3, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, TensorizeConfig(max_rank=3, embedding_max_rank=3)).double()
+    with torch.no_grad():  # some gates below tau, so R's surviving set matters
+        for _, layer in tensorized_modules(model):
+            layer.gate.uniform_(0.5, 1.5)
+            layer.gate[::3] = 0.005
+    gates = [layer.gate for _, layer in tensorized_modules(model)]
+    full, R_full = group_mod.shared_factors_and_penalty(model)
+    got, R = group_mod.shared_factors_and_penalty(model, skip=[model.blocks[1]])
+    in_block = {id(m) for m in model.blocks[1].modules() if isinstance(m, TTLinear)}
+    assert len(in_block) == 6 and got.keys() == full.keys() - in_block
+    for key, (L, Rf) in got.items():
+        torch.testing.assert_close(L, full[key][0])
+        torch.testing.assert_close(Rf, full[key][1])
+    want = rank_penalty(model)
+    torch.testing.assert_close(R, want)
+    torch.testing.assert_close(R_full, want)
+    for g, w in zip(torch.autograd.grad(R, gates), torch.autograd.grad(want, gates), strict=True):
+        torch.testing.assert_close(g, w)
 
 
 def test_shared_factors_step_aside_under_zero3():

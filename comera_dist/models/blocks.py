@@ -148,14 +148,16 @@ def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factor
         return x
     own = bool(block_factors_skipped(model))
     for block in model.blocks:
-        fn, args = (_with_own_factors, (block, x, keep)) if own else (block, (x, keep, factors))
-        x = checkpoint(fn, *args, use_reentrant=False, **_recompute_context(model))
+        x = checkpoint(_recomputed, block, x, keep, factors, own, use_reentrant=False, **_recompute_context(model))
     return x
 
 
-def _with_own_factors(block: nn.Module, x: Tensor, keep: Tensor | None) -> Tensor:
-    with in_outer_graph():  # the CPU's one-thread contractions in the graph the checkpoint drops
-        return block(x, keep, shared_factors(block))  # (B, T, C); {} under ZeRO-3: each layer contracts its own
+def _recomputed(block: nn.Module, x: Tensor, keep: Tensor | None, factors: Factors | None, own: bool) -> Tensor:
+    """A checkpointed block's forward (run again in backward): with ``factors``, or with its own when ``own``.
+    The CPU's one-thread contractions (``tensor.smallops``) go into the graph the checkpoint drops: a layer's
+    own (under ZeRO-3, a singleton, a forced order) as well as the block's shared ones."""
+    with in_outer_graph():
+        return block(x, keep, shared_factors(block) if own else factors)  # (B, T, C)
 
 
 ContextPair = tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]

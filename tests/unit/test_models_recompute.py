@@ -14,6 +14,7 @@ from torch import nn
 from comera_dist.bench.memory_probe import measure_step, step_peak_bytes
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.engine.packing import pack_vectors
+from comera_dist.layers import TTLinear
 from comera_dist.layers.group import shared_factors
 from comera_dist.models import ModelConfig, build_model
 
@@ -112,31 +113,60 @@ def test_recomputing_model_compiles_fullgraph_with_the_plain_gradients(factors):
         torch.testing.assert_close(p.grad, grads_p[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_recomputed_factors_lower_the_step_peak_by_the_blocks_factors(threads):
-    """With ``recompute_factors`` the blocks' ``L``/``R`` are not held from the forward to the end of backward:
-    the step's peak of live tensors (``memory_probe.step_peak_bytes``, which sees what backward remakes) drops by
-    at least the factors of all blocks but one (the one being remade). With 2 threads too: there the contractions
-    run on one thread (``tensor.smallops``), whose private graph the checkpoint could not free."""
-    cfg = dataclasses.replace(CFG, arch="six_encoder_cls", num_layers=4, hidden_size=32, intermediate_size=64)
-    spec = TensorizeConfig(num_cores=4, max_rank=8, embedding_num_cores=2, embedding_max_rank=4)
-    ids = torch.randint(0, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))  # few tokens
-    batch = {"input_ids": ids, "labels": torch.tensor([1])}
-    peaks = {}
+def _peak(model: nn.Module, batch: dict[str, torch.Tensor], threads: int) -> int:
+    """The step's peak of live tensors (``memory_probe.step_peak_bytes``: it sees what backward remakes), after
+    a warm-up step (the gradients exist before the measured one), with ``threads`` intra-op threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for factors in (False, True):
-            torch.manual_seed(0)
-            model = build_model(dataclasses.replace(cfg, activation_checkpointing=True, recompute_factors=factors),
-                                spec)
-            with torch.no_grad():  # the blocks' factors, as the model-wide contraction makes and keeps them
-                block_bytes = [sum(t.nbytes for lr in shared_factors(b).values() for t in lr) for b in model.blocks]
-            model(**batch)["loss"].backward()  # warm-up: the gradients exist before the measured step
-            peaks[factors] = step_peak_bytes(lambda m=model: m(**batch)["loss"].backward())
+        model(**batch)["loss"].backward()
+        return step_peak_bytes(lambda: model(**batch)["loss"].backward())
     finally:
         torch.set_num_threads(previous)
+
+
+def _small_batch_model(factors: bool, batch: int = 1, tokens: int = 4) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A recomputing six-encoder whose factors outweigh its few tokens' activations."""
+    cfg = dataclasses.replace(CFG, arch="six_encoder_cls", num_layers=4, hidden_size=32, intermediate_size=64,
+                              activation_checkpointing=True, recompute_factors=factors)
+    torch.manual_seed(0)
+    model = build_model(cfg, TensorizeConfig(num_cores=4, max_rank=8, embedding_num_cores=2, embedding_max_rank=4))
+    ids = torch.randint(0, CFG.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": torch.ones(batch, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_recomputed_factors_lower_the_step_peak_by_the_blocks_factors(threads):
+    """With ``recompute_factors`` the blocks' ``L``/``R`` are not held from the forward to the end of backward:
+    the step's peak drops by at least the factors of all blocks but one (the one being remade). With 2 threads
+    too: there the contractions run on one thread (``tensor.smallops``), whose private graph the checkpoint could
+    not free."""
+    peaks = {}
+    for factors in (False, True):
+        model, batch = _small_batch_model(factors)
+        with torch.no_grad():  # the blocks' factors, as the model-wide contraction makes and keeps them
+            block_bytes = [sum(t.nbytes for lr in shared_factors(b).values() for t in lr) for b in model.blocks]
+        peaks[factors] = _peak(model, batch, threads)
     assert peaks[False] - peaks[True] >= sum(block_bytes) - max(block_bytes), (peaks, block_bytes)
+
+
+@pytest.mark.parametrize("factors", [False, True], ids=["zero3-like", "factors"])
+def test_the_cpus_one_thread_contractions_keep_nothing_past_the_checkpoint(factors):
+    """With several threads the CPU contracts the cores on one thread through a private graph
+    (``tensor.smallops``); inside a recomputed block that graph must not hold what the checkpoint drops, so the
+    step peaks no higher than with one thread (where the contractions are plain ops), but for the few hundred
+    bytes the private graphs outside the blocks hold (the embedding's). ``zero3-like``: the parameters carry
+    ZeRO-3's mark, so every layer contracts its own cores inside its block (48 tokens: enough for the ``lr``
+    order, which contracts them). Without the outer graph the 2-thread step peaked 0.5 MiB higher in both."""
+    peaks = {}
+    for threads in (1, 2):
+        model, batch = _small_batch_model(factors, batch=4, tokens=12)
+        if not factors:
+            for p in model.parameters():
+                p.ds_id = 0  # layers.group.partitioned: no shared factors, each layer its own
+            assert {m.chosen_order(48, 0) for m in model.modules() if isinstance(m, TTLinear)} == {"lr"}
+        peaks[threads] = _peak(model, batch, threads)
+    assert peaks[2] <= peaks[1] + 4096, peaks
 
 
 def test_recompute_factors_needs_activation_checkpointing():

@@ -17,8 +17,9 @@
 # six-encoder (eager and CUDA-graph modes), again at batch 1 with a 4 MiB cuBLAS workspace for every
 # contender (-ws4), and at batch 32 in bf16 with the loss compiled by inductor and captured (-compiled; its rows
 # also count the kernels the compiled graphs launch, graph_kernels, beside bench ops --compiled's CPU proxy),
-# CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute), and so with each recomputed
-# block remaking its TT factors too, with the peaks named (-recompute-factors: model.recompute_factors), and dense against
+# CoMERA against GaLore at batch 1 with every block recomputed in backward (-recompute), and so with each
+# recomputed block remaking its TT factors too, with the peaks named (-recompute-factors: model.recompute_factors),
+# and dense against
 # CoMERA with its grouped factors at their own middle rank (-align1: COMERA_RANK_ALIGN=1; by default it is padded to a
 # multiple of 8), and batch 1 with no product on cuBLASLt (-nolt: DISABLE_ADDMM_CUDA_LT=1, whose workspace is its own),
 # and dense against CoMERA with its TT FFN unfused (-ffn-off: COMERA_FFN_ROWS=off; by default its (T, F) middle

@@ -118,7 +118,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"compression: {c['ratio_model']:.2f}x whole model, {c['ratio_tensorized']:.2f}x tensorized layers",
         (f"FLOPs/token: forward {f['forward']:,} (dense {f['forward_dense']:,}), "
          f"train ~{f['train']:,} (dense ~{f['train_dense']:,})"
-         + (f", with the blocks' forward recomputed (+{f['recomputed']:,})" if f["recomputed"] else "")),
+         + (f", with the blocks' forward recomputed (+{f['recomputed']:,})" if f["recomputed"] else "")
+         + (" and their TT factors remade in it" if f["recomputed"] and s["config"]["model"].get("recompute_factors")
+            else "")),
     ]
     for kind in KINDS:
         if kind in s["tt_params_by_kind"]:

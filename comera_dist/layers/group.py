@@ -56,7 +56,8 @@ def partitioned(module: nn.Module) -> bool:
 
 def shared_factors_and_penalty(module: nn.Module, skip: Iterable[nn.Module] = ()
                                ) -> tuple[dict[int, tuple[Tensor, Tensor]], Tensor | None]:
-    """``shared_factors(module)`` and the rank penalty R of every gate in ``module`` (None without gates).
+    """``shared_factors(module)`` (less ``skip``'s layers) and the rank penalty R of every gate in ``module`` (None
+    without gates).
 
     R is ``compression.penalty.rank_penalty``'s value, ``sum m(g) / #(g > tau)`` over all gates,
     computed from the same stacked masks the grouped factors use: a grouped gate then feeds one

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from comera_dist.kernels.dispatch import host_work_ok
+from comera_dist.layers import inside_checkpoint
 from comera_dist.layers.group import Factors, project, project_ffn, project_shared_input, shared_factors
 from comera_dist.models.config import ModelConfig
 from comera_dist.models.cpu_dropout import Dropout, attention
 from comera_dist.models.factory import TensorizeSpec, make_embedding, make_linear
-from comera_dist.tensor.smallops import in_outer_graph
 
 
 class SelfAttention(nn.Module):
@@ -139,7 +139,8 @@ def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factor
     the RNG state of its forward (the same dropout masks). With ``model.recompute_factors`` each block also
     contracts its own layers' TT factors inside its checkpoint (``shared_factors(block)``; ``factors`` holds none
     of them), so its ``L``/``R`` are remade with it instead of kept from the forward to the end of backward.
-    The gradients are those of the plain forward. Under ``torch.compile`` the partitioner decides the
+    The gradients are those of the plain forward (with ``recompute_factors`` to rounding: the factors' products are
+    summed per block, not per model). Under ``torch.compile`` the partitioner decides the
     recomputation inside the graph, and the model's ``recompute_context`` is not used.
     """
     if not recomputes(model):
@@ -154,9 +155,9 @@ def run_blocks(model: nn.Module, x: Tensor, keep: Tensor | None, factors: Factor
 
 def _recomputed(block: nn.Module, x: Tensor, keep: Tensor | None, factors: Factors | None, own: bool) -> Tensor:
     """A checkpointed block's forward (run again in backward): with ``factors``, or with its own when ``own``.
-    The CPU's one-thread contractions (``tensor.smallops``) go into the graph the checkpoint drops: a layer's
-    own (under ZeRO-3, a singleton, a forced order) as well as the block's shared ones."""
-    with in_outer_graph():
+    The CPU's one-thread contractions (``tensor.smallops``) keep only their inputs here, which the checkpoint
+    drops too: a layer's own (under ZeRO-3, a singleton, a forced order) as well as the block's shared ones."""
+    with inside_checkpoint():
         return block(x, keep, shared_factors(block) if own else factors)  # (B, T, C)
 
 

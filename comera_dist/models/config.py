@@ -54,7 +54,9 @@ class ModelConfig:
     at once and keeping every block's factors from the forward to the end of backward. Less memory, more small
     ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 31.8 MiB instead of 49.6 (the
     factors, their stacked cores and their gradients), with 5,714 aten ops instead of 2,589
-    (``docs/bench/notes/six-encoder-recompute-factors-cpu.md``). Needs ``activation_checkpointing``."""
+    (``docs/bench/notes/six-encoder-recompute-factors-cpu.md``). Needs ``activation_checkpointing``. Changes
+    nothing under ZeRO-3 (each layer contracts its own factors in its own forward there) or for a dense model
+    (no factors)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -8,16 +8,17 @@ GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/layers-
 same way through a private autograd graph. CUDA tensors, ``torch.compile`` tracing and
 single-threaded processes call ``fn`` directly. Double backward through it is not supported.
 
-The private graph escapes ``torch.utils.checkpoint``: its node holds ``fn``'s outputs (and through them
-its graph) past any saved-tensor hook until the outer graph is freed, so inside a recomputed block it would
-keep what the checkpoint is there to drop (a six-encoder's factors, 10 MiB). Inside ``in_outer_graph()`` the
-forward still runs on one thread, but in the caller's graph.
+Inside a checkpointed block (``models.blocks``, within ``inside_checkpoint()``) the private graph would escape
+``torch.utils.checkpoint``: its node holds ``fn``'s outputs (and through them its graph) past the checkpoint's
+saved-tensor hooks until the outer graph is freed, keeping what the checkpoint is there to drop (a
+six-encoder's factors, 10 MiB). There ``on_one_thread`` keeps only its inputs, through ``save_for_backward``
+(which the hooks see), and remakes ``fn``'s graph on one thread in backward: one more forward of ``fn``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -59,27 +60,57 @@ class _OneThreadFn(torch.autograd.Function):
         return (None, *result)
 
 
-_outer = False
+class _Remade(torch.autograd.Function):
+    """``on_one_thread`` inside a checkpoint: ``fn`` on one thread without a graph, only the inputs kept; in
+    backward ``fn`` runs again on one thread with its graph, which is differentiated and dropped."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., tuple[Tensor, ...]],  # type: ignore[override]
+                *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad(), _OneThread():
+            return tuple(fn(*inputs))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        inputs = ctx.saved_tensors
+        with torch.enable_grad(), _OneThread():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            outs = ctx.fn(*leaves)
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wanted = [t for t in leaves if t.requires_grad]
+            if not pairs or not wanted:
+                return (None,) * (1 + len(inputs))
+            it = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        return (None, *(next(it) if t.requires_grad else None for t in leaves))
 
 
-@contextlib.contextmanager
-def in_outer_graph() -> Iterator[None]:
-    """Inside the block, ``on_one_thread`` records its ops in the caller's autograd graph (its forward still
-    on one thread, its backward on the process's threads), where ``torch.utils.checkpoint`` sees what they save
-    (``models.blocks.run_blocks``'s recomputed blocks)."""
-    global _outer
-    previous, _outer = _outer, True
-    try:
-        yield
-    finally:
-        _outer = previous
+_state = threading.local()  # per thread: another thread's forward keeps its own mode
+
+
+class inside_checkpoint:
+    """Inside the ``with``, ``on_one_thread`` keeps only its inputs for backward and remakes ``fn`` there
+    (``_Remade``), so a checkpoint around it drops everything else (``models.blocks``' recomputed blocks). The
+    mode is per thread. Under ``torch.compile`` a no-op (``on_one_thread`` calls ``fn`` directly there)."""
+
+    def __enter__(self) -> None:
+        if not torch.compiler.is_compiling():
+            self.previous = getattr(_state, "inside", False)
+            _state.inside = True
+
+    def __exit__(self, *exc: object) -> None:
+        if not torch.compiler.is_compiling():
+            _state.inside = self.previous
 
 
 def on_one_thread(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
     """``fn(*inputs)`` (a tuple of tensors) computed, and differentiated, on one CPU thread."""
     if torch.compiler.is_compiling() or torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
         return fn(*inputs)  # compiled graphs schedule their own small ops
-    if _outer or not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         with _OneThread():
             return fn(*inputs)
+    if getattr(_state, "inside", False):
+        return _Remade.apply(fn, *inputs)
     return _OneThreadFn.apply(fn, *inputs)

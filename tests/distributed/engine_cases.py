@@ -16,13 +16,13 @@ VOCAB, HIDDEN, SEQ, MICRO = 64, 16, 8, 2
 def tiny_config(output_dir: Path | str, *, zero_stage: int = 0, steps: int = 4, accumulation: int = 1,
                 late_stage_step: int | None = None, prune_every: int = 0, gamma: float = 0.01,
                 dropout: float = 0.0, arch: str = "bert_mlm", ffn: bool = True, recompute: bool | str = False,
-                **deepspeed: Any) -> RunConfig:
+                layers: int = 1, **deepspeed: Any) -> RunConfig:
     """A 1-block BERT-like MLM (or ``arch="gpt"``: the causal model) with TT attention/FFN (4 cores) and
     a TTM embedding; dropout off unless asked for (a resume test needs it on: only then does the
     restored RNG stream matter); ``ffn=False`` keeps the FFN dense (``layers.dense.Linear``); ``recompute``:
-    ``model.activation_checkpointing`` (``"factors"``: and ``model.recompute_factors``)."""
+    ``model.activation_checkpointing`` (``"factors"``: and ``model.recompute_factors``); ``layers`` blocks."""
     data = {
-        "model": {"arch": arch, "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": 1,
+        "model": {"arch": arch, "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": layers,
                   "num_heads": 2, "intermediate_size": 32, "max_positions": 16, "dropout": dropout,
                   "activation_checkpointing": bool(recompute), "recompute_factors": recompute == "factors"},
         "comera": {"tensorize": {"num_cores": 4, "embedding_num_cores": 2, "max_rank": 4,
@@ -120,10 +120,20 @@ def knob_runs(outdir: str, rank: int, world_size: int, knob: str, extra: Callabl
     return out
 
 
-def assert_same_training(got: dict, want: dict, stage: int) -> None:
-    """Two ``knob_runs`` entries trained the same: losses and every weight, and the losses moved."""
+ZERO_GRADIENT = ("attn.key.bias",)
+"""Parameters whose exact gradient is 0 (a key bias shifts every score of a query alike, which softmax ignores):
+what they receive is rounding, which AdamW scales up to learning-rate-sized steps, so two runs that round
+differently move them apart. ``assert_same_training(noise=ZERO_GRADIENT)`` only checks they stay that small."""
+
+
+def assert_same_training(got: dict, want: dict, stage: int, noise: tuple[str, ...] = ()) -> None:
+    """Two ``knob_runs`` entries trained the same: losses and every weight, and the losses moved. Parameters
+    whose names end in ``noise`` (``ZERO_GRADIENT``) are only checked to stay below 1e-3 in both."""
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6)
     assert want["losses"][2] != want["losses"][0]  # it trained
     assert got["params"].keys() == want["params"].keys()
     for name, value in want["params"].items():
+        if name.endswith(noise) and noise:
+            assert max(float(got["params"][name].abs().max()), float(value.abs().max())) < 1e-3, name
+            continue
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"z{stage} {name}")

@@ -6,7 +6,7 @@ remake their TT factors too (``model.recompute_factors``; at ZeRO 3 each layer c
 from __future__ import annotations
 
 from dist_helpers import run_ranks
-from engine_cases import assert_same_training, batch, factory, full_params, tiny_config
+from engine_cases import ZERO_GRADIENT, assert_same_training, batch, factory, full_params, tiny_config
 
 STAGES = (1, 3)
 
@@ -26,7 +26,7 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
         for recompute in (False, True, "factors"):
             calls.clear()
             cfg = tiny_config(f"{outdir}/z{stage}{recompute}", zero_stage=stage, steps=3, dropout=0.1,
-                              recompute=recompute)
+                              recompute=recompute, layers=2)  # 2 blocks: each its own factors, or the model's
             s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
             losses = [s.train_step([batch(step, rank)]).task_loss for step in (1, 2, 3)]
             out[(stage, recompute)] = {"losses": losses, "params": full_params(s),
@@ -41,8 +41,11 @@ def test_recomputed_blocks_train_like_stored_activations_at_zero_1_and_3(tmp_pat
     for r in results:
         assert r[(1, True)]["packed"] and r[(1, "factors")]["packed"] and not r[(3, True)]["packed"]
         for stage in STAGES:
-            assert r[(stage, False)]["checkpointed"] == 0  # 1 block, checkpointed once a step when recomputed
+            assert r[(stage, False)]["checkpointed"] == 0  # 2 blocks, each checkpointed once a step when recomputed
             for recompute in (True, "factors"):
-                assert r[(stage, recompute)]["checkpointed"] == 3
-                assert_same_training(r[(stage, recompute)], r[(stage, False)], stage)
+                assert r[(stage, recompute)]["checkpointed"] == 6
+                # the factors remade per block are summed in another order: rounding, which the zero-gradient
+                # key biases take as their whole update (at ZeRO 1: 1.5e-4 apart after 3 steps)
+                assert_same_training(r[(stage, recompute)], r[(stage, False)], stage,
+                                     noise=ZERO_GRADIENT if recompute == "factors" else ())
     assert results[0][(1, True)]["losses"] == results[1][(1, True)]["losses"]

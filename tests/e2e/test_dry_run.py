@@ -68,6 +68,11 @@ def test_dry_run_human_readable(capsys):
     rc = cli.main(["pretrain", "--config", "configs/six-encoder-mlm.yaml", "--dry-run", "--world-size", "8"])
     assert rc == 0 and "encoder TT params" in capsys.readouterr().out
     assert '"train_batch_size": 256' in out
+    for extra, says in (([], "recomputed (+"), (["--set", "model.recompute_factors=true"], "TT factors remade in it")):
+        rc = cli.main(["pretrain", "--config", "configs/six-encoder-mlm.yaml", "--dry-run", "--set",
+                       "model.activation_checkpointing=true", *extra])
+        flops = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("FLOPs/token"))
+        assert rc == 0 and says in flops and ("remade" in flops) == bool(extra), flops
 
 
 @pytest.mark.parametrize("args", [["pretrain"], ["evaluate"], ["export"]])
@@ -102,6 +107,8 @@ def test_help_explains_every_option(args, capsys):
      "comera.tensorize.modes.attention"),
     (["--config", "configs/tiny-cpu.yaml", "--world-size", "3", "--set", "deepspeed.train_batch_size=8"],
      "train_batch_size"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "model.recompute_factors=true"],
+     "model.recompute_factors needs model.activation_checkpointing: true"),
 ])
 def test_bad_config_is_one_line_exit_2(args, needle, capsys, tmp_path):
     out_dir = tmp_path / "run"

@@ -41,14 +41,17 @@ def _batch(arch: str, seed: int = 1) -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(model: nn.Module, batch: dict[str, torch.Tensor], seed: int = 7):
+    """The task loss and rank penalty R (0 for a dense model) of one forward, and the gradients of loss + R."""
     torch.manual_seed(seed)  # the same dropout masks in both models' forwards
-    loss = model(**batch)["loss"]
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out = model(**batch)
+    penalty = out["rank_penalty"] if out["rank_penalty"] is not None else torch.zeros(())
+    (out["loss"] + penalty).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack([out["loss"].detach(), penalty.detach()]), grads
 
 
 def _assert_same(plain: nn.Module, recomputing: nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    """The same loss and gradients: bit for bit in the forward; the gradients to within fp32 rounding, and
+    """The same loss and R, and their gradients: bit for bit in the forward; the gradients to within fp32 rounding, and
     tighter when the factors are the model's (remade per block, their products are summed in another order)."""
     loss_p, grads_p = _loss_and_grads(plain, batch)
     loss_r, grads_r = _loss_and_grads(recomputing, batch)
@@ -68,8 +71,9 @@ def test_recomputed_blocks_give_the_plain_loss_and_gradients(arch, spec, factors
     _assert_same(plain, recomputing, _batch(arch))
 
 
-def test_recomputation_keeps_less_for_backward_and_only_while_training():
-    plain, recomputing = _pair("bert_mlm", SPEC)
+@pytest.mark.parametrize("factors", [False, True], ids=["blocks", "factors"])
+def test_recomputation_keeps_less_for_backward_and_only_while_training(factors):
+    plain, recomputing = _pair("bert_mlm", SPEC, factors=factors)
     batch = _batch("bert_mlm")
     kept = {}
     for name, model in (("plain", plain), ("recomputing", recomputing)):
@@ -104,9 +108,14 @@ def test_recomputing_model_compiles_fullgraph_with_the_plain_gradients(factors):
     plain, recomputing = _pair("six_encoder_cls", SPEC, dropout=0.0, factors=factors)  # traced RNG draws differ
     batch = _batch("six_encoder_cls")
     torch._dynamo.reset()
-    compiled = torch.compile(lambda b: recomputing(**b)["loss"], fullgraph=True, backend="aot_eager")
-    loss_c = compiled(batch)
-    loss_c.backward()
+
+    def loss_and_penalty(b: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = recomputing(**b)
+        return torch.stack([out["loss"], out["rank_penalty"]])
+
+    compiled = torch.compile(loss_and_penalty, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(batch)  # (task loss, R)
+    loss_c.sum().backward()
     loss_p, grads_p = _loss_and_grads(plain, batch)
     torch.testing.assert_close(loss_c.detach(), loss_p)
     for name, p in recomputing.named_parameters():

@@ -1,14 +1,15 @@
 """``on_one_thread``: same values and gradients as a direct call, on one thread, count restored; inside
-``in_outer_graph`` its ops are in the caller's graph, where saved-tensor hooks (a checkpoint) see them."""
+``inside_checkpoint`` it keeps only its inputs, through the saved-tensor hooks a checkpoint drops them by."""
 
 import contextlib
+import threading
 
 import pytest
 import torch
 
 from comera_dist.layers import TTEmbedding, TTLinear
 from comera_dist.tensor import contract
-from comera_dist.tensor.smallops import in_outer_graph, on_one_thread
+from comera_dist.tensor.smallops import inside_checkpoint, on_one_thread
 
 
 @pytest.fixture
@@ -64,26 +65,43 @@ def test_layers_match_with_several_threads(two_threads):
             torch.testing.assert_close(layer(x), want_out)
 
 
-def test_in_outer_graph_records_the_ops_in_the_callers_graph(two_threads):
-    """The private graph's node holds ``fn``'s outputs and leaves past any saved-tensor hook, so a checkpoint
-    around it cannot drop them (``models.blocks``' recomputed factors; the memory itself is tested in
-    ``test_models_recompute``). Inside ``in_outer_graph`` the same ``fn`` still runs on one thread, its ops in the
-    caller's graph, with the same values and gradients."""
+def test_inside_a_checkpoint_it_keeps_only_its_inputs_and_remakes_fn_in_backward(two_threads):
+    """The private graph's node holds ``fn``'s outputs and its graph past any saved-tensor hook, so a checkpoint
+    around it could not drop them (the memory itself is tested in ``test_models_recompute``). Inside
+    ``inside_checkpoint`` what is kept goes through the hooks, and is only the inputs; ``fn`` runs again in
+    backward, on one thread too, with the same values and gradients as the private graph's. Per thread: another
+    thread is not inside."""
     a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     threads = []
 
     def fn(x, y):
         threads.append(torch.get_num_threads())
-        return (x @ y,)
+        return ((x @ y).exp(), y.sum())  # mm saves both operands, exp its result
 
     results = {}
-    for outer in (False, True):
-        with in_outer_graph() if outer else contextlib.nullcontext():
-            out, = on_one_thread(fn, a, b)
-        results[outer] = (type(out.grad_fn).__name__, out, torch.autograd.grad(out.sum(), (a, b)))
-    assert threads == [1, 1] and torch.get_num_threads() == 2
-    assert results[False][0] == "_OneThreadFnBackward" and results[True][0] == "MmBackward0"
+    for inside in (False, True):
+        packed: list[torch.Tensor] = []
+        with (torch.autograd.graph.saved_tensors_hooks(lambda t, p=packed: p.append(t) or t, lambda t: t),
+              inside_checkpoint() if inside else contextlib.nullcontext()):
+            out, total = on_one_thread(fn, a, b)
+        grads = torch.autograd.grad(out.sum() + 2 * total, (a, b))
+        results[inside] = ([t.shape for t in packed], out, grads)
+    assert threads == [1, 1, 1] and torch.get_num_threads() == 2  # private: once; inside: forward, then backward
+    assert results[True][0] == [a.shape, b.shape]  # the inputs, nothing of fn's graph
+    assert len(results[False][0]) == 3  # the private graph's own saves: x, y and exp's result
     torch.testing.assert_close(results[True][1], results[False][1])
     for got, want in zip(results[True][2], results[False][2], strict=True):
         torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(lambda x, y: _inside(fn, x, y), (a, b))
+    seen = []
+    with inside_checkpoint():
+        worker = threading.Thread(target=lambda: seen.append(type(on_one_thread(fn, a, b)[0].grad_fn).__name__))
+        worker.start()
+        worker.join()
+    assert seen == ["_OneThreadFnBackward"]  # the other thread kept the private graph
+
+
+def _inside(fn, *inputs):
+    with inside_checkpoint():
+        return on_one_thread(fn, *inputs)

@@ -1,7 +1,8 @@
 """``model.activation_checkpointing`` under DeepSpeed on 2 real ranks: recomputed blocks train exactly like
 stored activations at ZeRO 1 (the packed engine, whose owners hold detached views between forwards) and
 at ZeRO 3 (the recomputed block's parameters gathered again in backward), with dropout on; so do blocks that
-remake their TT factors too (``model.recompute_factors``; at ZeRO 3 each layer contracts its own anyway)."""
+remake their TT factors too (``model.recompute_factors``; at ZeRO 3 each layer contracts its own anyway), with
+two threads per rank."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ def _train(rank: int, world_size: int, outdir: str) -> dict:
     from comera_dist.models import blocks
 
     init_distributed(60)
+    import torch
+
+    # 2 threads: the CPU's one-thread contractions (tensor.smallops) then run inside the checkpoints as their own
+    # autograd function, which must find ZeRO-3's parameters gathered again in backward (red if it drops its gradients)
+    torch.set_num_threads(2)
     calls = []
     real = blocks.checkpoint
     blocks.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)  # counts the checkpointed blocks

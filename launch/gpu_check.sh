@@ -87,7 +87,7 @@ if [ "$MODE" = gpu ]; then
   BENCH_SIX_RECOMPUTE=(-m comera_dist.bench six-encoder --recompute --modes eager graph compiled-graph
                        --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 10)
   # the same with each recomputed block remaking its TT factors (model.recompute_factors): on the CPU its batch-1
-  # peak was 17.8 MiB lower (the blocks' factors, their stacked cores and gradients) for twice the aten ops; the
+  # peak was 18.5 MiB lower (the blocks' factors, their stacked cores and gradients) for twice the aten ops; the
   # peaks named by line as -peaks does. compiled-graph left out: it failed with -recompute on the H200
   BENCH_SIX_RECOMPUTE_FACTORS=(-m comera_dist.bench six-encoder --recompute-factors --modes eager graph
                                --dtypes fp32 --contenders comera galore --batch-sizes 1 --steps 10 --peak-allocations)

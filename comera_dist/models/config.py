@@ -52,7 +52,7 @@ class ModelConfig:
     """With ``activation_checkpointing``: each recomputed block also contracts its own layers' TT factors
     ``L``/``R`` inside its checkpoint, so they are remade with it, instead of the model contracting all layers
     at once and keeping every block's factors from the forward to the end of backward. Less memory, more small
-    ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 31.8 MiB instead of 49.6 (the
+    ops: on the CPU, the six-encoder's recomputing batch-1 step peaked at 31.1 MiB instead of 49.6 (the
     factors, their stacked cores and their gradients), with 5,714 aten ops instead of 2,589
     (``docs/bench/notes/six-encoder-recompute-factors-cpu.md``). Needs ``activation_checkpointing``. Changes
     nothing under ZeRO-3 (each layer contracts its own factors in its own forward there) or for a dense model

@@ -87,8 +87,9 @@ def peak_allocations(step: Callable[[], object], device: torch.device, top: int 
     """Run ``step()`` once with the allocator's history recorded and return ``live_at_peak`` of it, with
     ``before_MiB`` (allocated when the step began) and the allocator's own peaks of the step in whole blocks
     and in bytes asked for (``peak_allocated_MiB``, ``peak_requested_MiB``; the replay's figures are the
-    latter's kind). On the CPU ``live_at_peak`` of ``cpu_trace`` only, with ``recorded_by``. On another device, or if the history
-    cannot be recorded, a dict that says why (``skipped``/``error``), so the benchmark's timings stand."""
+    latter's kind). On the CPU ``live_at_peak`` of ``cpu_trace`` only, with ``recorded_by``. On another device,
+    or if the history cannot be recorded, a dict that says why (``skipped``/``error``), so the benchmark's timings
+    stand."""
     if device.type == "cpu":
         try:
             return {"recorded_by": "torch.profiler", **live_at_peak(cpu_trace(step), top)}

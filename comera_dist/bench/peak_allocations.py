@@ -10,7 +10,9 @@ to the moment the most bytes were live, and groups the blocks live then by the i
 workspaces made earlier) is not in the history: it is ``before_MiB``.
 
 On the CPU the profiler records each allocation and free of the step with the Python calls it ran under
-(``cpu_trace``), which replay the same way. The CPU has no allocator statistics: no ``before_MiB`` and no
+(``cpu_trace``), which replay the same way; a frame's line is where it made the next inner call, the innermost
+frame's its ``def`` line (the profiler records call sites only), and what built-in ops allocate in backward
+goes under the frame that called ``backward()``. The CPU has no allocator statistics: no ``before_MiB`` and no
 allocator peaks there, and the model's CPU paths differ from the GPU's in places (the CPU's dropout and
 attention, ``tensor.smallops``). It is what found what ``model.recompute_factors`` frees.
 """
@@ -156,13 +158,19 @@ def cpu_trace(step: Callable[[], object]) -> list[dict[str, Any]]:
 
 
 def _py_frames(event: Any) -> list[dict[str, Any]]:
-    """The Python calls ``event`` ran under, innermost first, as the allocator history's frames."""
+    """The Python calls ``event`` ran under, innermost first, as the allocator history's frames. The profiler
+    records where each call was made (its ``caller``), not the line a function is at: a frame's line is where it
+    called the next inner frame, and the innermost frame's (no inner call) is its function's ``def`` line."""
     from torch._C._profiler import _EventType
 
-    frames = []
+    frames: list[dict[str, Any]] = []
+    inner_call_line = None  # where the frame below called into the next inner one
     e = event.parent
     while e is not None:
         if e.typed[0] == _EventType.PyCall and (m := _PY_CALL.match(e.name)):
-            frames.append({"filename": m["filename"], "line": int(m["line"]), "name": m["name"]})
+            line = int(m["line"]) if inner_call_line is None else inner_call_line
+            frames.append({"filename": m["filename"], "line": line, "name": m["name"]})
+            caller = getattr(e.typed[1], "caller", None)
+            inner_call_line = getattr(caller, "line_number", None)
         e = e.parent
     return frames

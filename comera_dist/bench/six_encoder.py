@@ -235,8 +235,8 @@ def main(argv: list[str]) -> int:
                                   "(bench.kernel_time): the row's device_ms, the kinds in config.kernel_time")
     device_only.add_argument("--peak-allocations", action="store_true",
                              help="also record one more step of every eager row at the smallest batch with CUDA's "
-                                  "allocator history (on the CPU, torch.profiler's allocations): the blocks live at "
-                                  "its peak by the line that allocated them (config.peak_allocations; "
+                                  "allocator history: the blocks live at its peak by the line that allocated them "
+                                  "(on the CPU torch.profiler's allocations, by call site; config.peak_allocations; "
                                   "bench.peak_allocations)")
     device_only.add_argument("--compile-backend", default="inductor",
                              help="torch.compile backend of the compiled modes (default inductor; aot_eager "

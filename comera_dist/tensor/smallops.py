@@ -62,20 +62,24 @@ class _OneThreadFn(torch.autograd.Function):
 
 class _Remade(torch.autograd.Function):
     """``on_one_thread`` inside a checkpoint: ``fn`` on one thread without a graph, only the inputs kept; in
-    backward ``fn`` runs again on one thread with its graph, which is differentiated and dropped."""
+    backward ``fn`` runs again on one thread with its graph (under the forward's CPU autocast state, as
+    ``torch.utils.checkpoint`` remakes it), which is differentiated and dropped."""
 
     @staticmethod
     def forward(ctx, fn: Callable[..., tuple[Tensor, ...]],  # type: ignore[override]
                 *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.fn = fn
+        ctx.autocast = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+        ctx.set_materialize_grads(False)  # an output nobody used sends no zeros through the remade graph
         ctx.save_for_backward(*inputs)
         with torch.no_grad(), _OneThread():
-            return tuple(fn(*inputs))
+            return tuple(o.detach() for o in fn(*inputs))
 
     @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         inputs = ctx.saved_tensors
-        with torch.enable_grad(), _OneThread():
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled), _OneThread():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
             outs = ctx.fn(*leaves)
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -100,7 +104,7 @@ class inside_checkpoint:
             _state.inside = True
 
     def __exit__(self, *exc: object) -> None:
-        if not torch.compiler.is_compiling():
+        if hasattr(self, "previous"):  # set by __enter__ (not when it was traced)
             _state.inside = self.previous
 
 

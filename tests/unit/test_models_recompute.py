@@ -71,6 +71,20 @@ def test_recomputed_blocks_give_the_plain_loss_and_gradients(arch, spec, factors
     _assert_same(plain, recomputing, _batch(arch))
 
 
+@pytest.mark.parametrize("arch", ["bert_mlm", "six_encoder_cls", "gpt"])
+def test_with_two_threads_the_remade_contractions_give_the_same_gradients(arch):
+    """With several threads the CPU contracts the cores on one thread (``tensor.smallops``): the plain model
+    through a private graph, the recomputed blocks' own factors through ``_Remade`` (only the inputs kept, the
+    contraction remade in backward). Same loss, R and gradients as the plain model's."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs with OMP_NUM_THREADS=1, where smallops calls fn directly
+    try:
+        plain, recomputing = _pair(arch, SPEC, factors=True)
+        _assert_same(plain, recomputing, _batch(arch))
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("factors", [False, True], ids=["blocks", "factors"])
 def test_recomputation_keeps_less_for_backward_and_only_while_training(factors):
     plain, recomputing = _pair("bert_mlm", SPEC, factors=factors)

@@ -92,7 +92,7 @@ def _without_forward_penalty(outdir: str, rank: int, world_size: int) -> dict:
     from comera_dist.models import bert_mlm
 
     real = bert_mlm.shared_factors_and_penalty
-    bert_mlm.shared_factors_and_penalty = lambda model: (real(model)[0], None)
+    bert_mlm.shared_factors_and_penalty = lambda model, skip=(): (real(model, skip)[0], None)
     try:
         cfg = tiny_config(f"{outdir}/fallback", zero_stage=1, precision="bf16", pack_vectors=True)
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)

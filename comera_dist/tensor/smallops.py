@@ -37,27 +37,37 @@ class _OneThread:
             torch.set_num_threads(self.n)
 
 
+def _leaves(inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    """Detached copies of ``inputs`` (same storage) that start a private graph where the inputs need gradients."""
+    return [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+
+
+def _private_backward(outs: tuple[Tensor, ...], grads: tuple[Tensor | None, ...], leaves: list[Tensor],
+                      retain_graph: bool) -> tuple[Tensor | None, ...]:
+    """The gradients of the leaves of a private graph from its outputs' (the caller runs it on one thread), as an
+    ``autograd.Function``'s backward returns them after ``fn``: ``(None, *per leaf)``."""
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    wanted = [t for t in leaves if t.requires_grad]
+    if not pairs or not wanted:
+        return (None,) * (1 + len(leaves))
+    it = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True,
+                                  retain_graph=retain_graph))
+    return (None, *(next(it) if t.requires_grad else None for t in leaves))
+
+
 class _OneThreadFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         with torch.enable_grad(), _OneThread():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+            leaves = _leaves(inputs)
             outs = fn(*leaves)
         ctx.leaves, ctx.outs = leaves, outs  # the private graph lives as long as this node
         return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        pairs = [(o, g) for o, g in zip(ctx.outs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in ctx.leaves if t.requires_grad]
-        result: list[Tensor | None] = [None] * len(ctx.leaves)
-        if pairs and wanted:
-            with _OneThread():  # retain: the outer graph may be replayed (retain_graph=True)
-                got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                          allow_unused=True, retain_graph=True)
-            it = iter(got)
-            result = [next(it) if t.requires_grad else None for t in ctx.leaves]
-        return (None, *result)
+        with _OneThread():  # retain: the outer graph may be replayed (retain_graph=True)
+            return _private_backward(ctx.outs, grads, ctx.leaves, retain_graph=True)
 
 
 class _Remade(torch.autograd.Function):
@@ -80,14 +90,8 @@ class _Remade(torch.autograd.Function):
         inputs = ctx.saved_tensors
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled), _OneThread():
-            leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
-            outs = ctx.fn(*leaves)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            wanted = [t for t in leaves if t.requires_grad]
-            if not pairs or not wanted:
-                return (None,) * (1 + len(inputs))
-            it = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-        return (None, *(next(it) if t.requires_grad else None for t in leaves))
+            leaves = _leaves(inputs)
+            return _private_backward(ctx.fn(*leaves), grads, leaves, retain_graph=False)  # the graph dropped
 
 
 _state = threading.local()  # per thread: another thread's forward keeps its own mode

@@ -14,6 +14,7 @@ from torch import nn
 from comera_dist.bench.memory_probe import measure_step, step_peak_bytes
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.engine.packing import pack_vectors
+from comera_dist.kernels import dispatch
 from comera_dist.layers import TTLinear
 from comera_dist.layers.group import shared_factors
 from comera_dist.models import ModelConfig, build_model
@@ -195,3 +196,23 @@ def test_the_cpus_one_thread_contractions_keep_nothing_past_the_checkpoint(facto
 def test_recompute_factors_needs_activation_checkpointing():
     with pytest.raises(ValueError, match=r"^model.recompute_factors needs model.activation_checkpointing: true"):
         dataclasses.replace(CFG, recompute_factors=True)
+
+
+def test_each_recomputed_block_runs_on_the_factors_it_contracted(monkeypatch):
+    """With ``recompute_factors`` each block hands its layers the grouped factors it contracted
+    (``shared_factors(block)``), in its forward and its recomputation: no TT layer of a block contracts its own
+    cores (same gradients, more ops), and every FFN is the fused one, which needs both layers' factors."""
+    _, model = _pair("bert_mlm", SPEC, factors=True)
+    own: list[str] = []
+    for i, block in enumerate(model.blocks):
+        for name, layer in block.named_modules():
+            if isinstance(layer, TTLinear):
+                layer.register_forward_pre_hook(
+                    lambda mod, args, kwargs, n=f"blocks.{i}.{name}": own.append(n) if kwargs.get("factors") is None
+                    else None, with_kwargs=True)
+    fused = []
+    real = dispatch.tt_ffn
+    monkeypatch.setattr(dispatch, "tt_ffn", lambda *a, **k: fused.append(1) or real(*a, **k))
+    _loss_and_grads(model, _batch("bert_mlm"))
+    assert own == []
+    assert len(fused) == 2 * CFG.num_layers  # each block's forward, and its recomputation in backward

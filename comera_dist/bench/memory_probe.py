@@ -181,8 +181,9 @@ def _reset_peak_rss() -> None:
 
 def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smoke: bool,
               threads: int | None = None, profile: bool = False, recompute: bool = False,
-              timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Start ``memory-probe`` for one contender in a fresh interpreter and return its JSON result."""
+              recompute_factors: bool = False, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Start ``memory-probe`` for one contender in a fresh interpreter and return its JSON result.
+    ``recompute_factors`` implies ``recompute`` (``model.recompute_factors`` needs the checkpointed blocks)."""
     from comera_dist.bench.six_encoder import CONTENDERS
 
     if contender not in CONTENDERS:
@@ -197,7 +198,9 @@ def run_probe(*, workload: str, contender: str, batch_size: int, steps: int, smo
         cmd += ["--threads", str(threads)]
     if profile:
         cmd.append("--profile")
-    if recompute:
+    if recompute_factors:
+        cmd.append("--recompute-factors")
+    elif recompute:
         cmd.append("--recompute")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -221,6 +224,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile", action="store_true", help="add torch.profiler top ops of one more step")
     p.add_argument("--recompute", action="store_true",
                    help="the model recomputes each block in backward (model.activation_checkpointing)")
+    p.add_argument("--recompute-factors", action="store_true",
+                   help="as --recompute, and each recomputed block also remakes its TT factors L/R "
+                        "(model.recompute_factors)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1:
@@ -236,7 +242,8 @@ def main(argv: list[str]) -> int:
     gc.collect()
     _reset_peak_rss()
     baseline = _rss_bytes("VmRSS")
-    setup = work.make_contender(args.contender, smoke=args.smoke, recompute=args.recompute)
+    setup = work.make_contender(args.contender, smoke=args.smoke, recompute=args.recompute,
+                                recompute_factors=args.recompute_factors)
     batch = work.random_batch(setup.model, args.batch_size, smoke=args.smoke)
     t0 = time.perf_counter()
     mem = measure_step(setup.model, setup.optimizer, lambda: setup.loss(batch))
@@ -252,7 +259,8 @@ def main(argv: list[str]) -> int:
     result = {
         "contender": args.contender, "batch_size": args.batch_size, "steps": args.steps,
         "step_s": statistics.median(times), "step_min_s": min(times), "first_step_s": first_s,
-        "tensor_memory": mem.as_dict(), "step_peak_bytes": step_peak, "recompute": args.recompute,
+        "tensor_memory": mem.as_dict(), "step_peak_bytes": step_peak,
+        "recompute": args.recompute or args.recompute_factors, "recompute_factors": args.recompute_factors,
         "rss_baseline_bytes": baseline, "rss_peak_bytes": peak,
         "rss_peak_above_baseline_bytes": peak - baseline, "threads": torch.get_num_threads(),
         "extra": setup.extra, "profile": profile,

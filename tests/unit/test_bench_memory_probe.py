@@ -98,12 +98,18 @@ def test_probe_worker_runs_in_its_own_process():
 
 
 def test_probe_worker_recomputes_when_asked_and_peaks_lower():
+    """--recompute keeps less at batch 4; --recompute-factors (each block remaking its TT factors too) less at
+    batch 1, where the factors outweigh the activations."""
     r = {flag: run_probe(workload="six-encoder", contender="comera", batch_size=4, steps=1, smoke=True,
                          recompute=flag) for flag in (False, True)}
     assert [r[False]["recompute"], r[True]["recompute"]] == [False, True]
     assert r[True]["step_peak_bytes"] < r[False]["step_peak_bytes"], r
     # the same model: parameters and optimizer state do not change, only what the step keeps alive
     assert r[True]["tensor_memory"]["params_bytes"] == r[False]["tensor_memory"]["params_bytes"]
+    b1 = {flag: run_probe(workload="six-encoder", contender="comera", batch_size=1, steps=1, smoke=True,
+                          recompute=True, recompute_factors=flag) for flag in (False, True)}
+    assert [b1[False]["recompute_factors"], b1[True]["recompute_factors"], b1[True]["recompute"]] == [False, True, True]
+    assert b1[True]["step_peak_bytes"] < b1[False]["step_peak_bytes"], b1
 
 
 def test_probe_worker_rejects_bad_contender():

@@ -80,16 +80,23 @@ def test_galore(results):
         by["galore"]["peak_MiB"] / by["comera"]["peak_MiB"])
 
 
-def test_galore_recompute_compares_the_peaks(tmp_path: Path):
+@pytest.mark.parametrize("flag", ["--recompute", "--recompute-factors"])
+def test_galore_recompute_compares_the_peaks(tmp_path: Path, flag: str):
     out = tmp_path / "galore.json"
-    assert galore.main(["--smoke", "--steps", "1", "--recompute", "--json", str(out)]) == 0
+    assert galore.main(["--smoke", "--steps", "1", flag, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
+    suffix = "_" + flag[2:].replace("-", "_")
     assert r["config"]["recompute"] is True
+    assert r["config"]["recompute_factors"] is (flag == "--recompute-factors")
+    # CoMERA's probe remade its factors; dense and GaLore have none to remake
+    assert {row["contender"]: row["recompute_factors"] for row in r["rows"]} == {
+        "dense": False, "galore": False, "comera": flag == "--recompute-factors"}
     # the saved-tensor accounting cannot see the recomputed blocks: no tensor-memory ratio in this run
-    assert set(r["metrics"]) == {f"{m}_b1_recompute" for m in (
+    assert set(r["metrics"]) == {f"{m}_b1{suffix}" for m in (
         "speedup_vs_galore", "speedup_vs_galore_amortized", "speedup_vs_dense", "peak_ratio_galore_over_comera",
         "peak_ratio_dense_over_comera", "rss_ratio_galore_over_comera")}
-    assert set(r["config"]["target"]) == {"speedup_vs_galore_b1_recompute", "peak_ratio_galore_over_comera_b1_recompute"}
+    assert set(r["config"]["target"]) == {f"speedup_vs_galore_b1{suffix}", f"peak_ratio_galore_over_comera_b1{suffix}"}
+    assert summary.rebuilt_command("galore", r)[-2:] == [flag, "--smoke"]  # the page's command runs this again
 
 
 def test_memory(results):

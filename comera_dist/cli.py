@@ -46,6 +46,12 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                    help="print parameter counts, compression, FLOPs per token and the resolved DeepSpeed "
                         "config, then exit without training or writing anything (status 2, after the summary, "
                         "when comera pretrain would refuse the config, e.g. the six-encoder classifier)")
+    p.add_argument("--check-config", action="store_true",
+                   help="check the config (every key and value, the arch, the COMERA_* settings) and exit, "
+                        "without building the model or the batch arithmetic, which needs the world size "
+                        "(--dry-run --world-size N checks that): status 0 when comera pretrain would take it, 2 "
+                        "with one line naming the problem. For a node where the job's size is not known yet "
+                        "(slurm/pretrain.sh --dry-run outside an allocation)")
     p.add_argument("--json", action="store_true",
                    help="with --dry-run: print the summary as one JSON object (machine-readable)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
@@ -109,6 +115,8 @@ def pretrain(args: argparse.Namespace) -> int:
     A training job records Slurm's SIGUSR1 from its first line, before the seconds of imports (torch,
     DeepSpeed) that precede ``train()``: one that arrives then stops the job at its first step with a
     checkpoint, instead of killing the rank or being lost."""
+    if args.check_config:
+        return _check_config(args)
     if args.dry_run:
         return _dry_run(args)
     from comera_dist.engine.signals import START_SIGNALS, StopRequest  # imports no torch
@@ -146,6 +154,19 @@ def _dry_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"comera pretrain: error: {e} (the summary above is for inspection only)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """``comera pretrain --check-config``: what ``pretrain`` checks before any rank starts, nothing more."""
+    from comera_dist.config import check_pretrainable, load_run_config
+    from comera_dist.kernels.dispatch import check_environment
+
+    cfg = load_run_config(args.config, _overrides(args))  # the batch arithmetic waits for the world size
+    check_environment()
+    check_pretrainable(cfg)
+    print(f"comera pretrain: {args.config}: config accepted (the batch arithmetic is checked at the run's world "
+          "size: --dry-run --world-size N)")
     return 0
 
 

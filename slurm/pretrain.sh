@@ -3,7 +3,8 @@
 # usage: sbatch [sbatch options] slurm/pretrain.sh [--dry-run] CONFIG [--set key=value ...]
 #   e.g. mkdir -p logs && sbatch -N 4 slurm/pretrain.sh configs/codebert.yaml --set train.steps=20000
 #   CPU (tests): sbatch slurm/pretrain-cpu.sh CFG (this script with CPU-sized #SBATCH defaults)
-#   --dry-run   print the resolved launch command and exit (inside or outside an allocation)
+#   --dry-run   check the config (at the job's world size inside an allocation; outside one, its keys and values),
+#               print the resolved launch command and exit
 # env: COMERA_HOME (repository; default the submit directory), COMERA_DEVICE (gpu | cpu, default gpu),
 #      COMERA_NPROC_PER_NODE (default: GPUs on the node, or 2 on cpu), COMERA_RDZV_PORT (default 20000 +
 #      job id mod 20000), COMERA_TRAIN_SCRIPT (default launch/train.py), COMERA_DRY_RUN=1 (= --dry-run)
@@ -82,13 +83,15 @@ RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 # The trainer's own check of the config and its batch arithmetic at this job's world size, before any node
 # starts: a mistyped key or a world size the batch does not divide would otherwise stop every rank, once per
 # rank. It needs the world size: inside an allocation (the job, or a dry run under salloc) with a known
-# process count; outside one, the node count is sbatch's -N, still to come.
+# process count; outside one, the node count is sbatch's -N, still to come, so only the config is checked.
 if [ "$TRAIN_SCRIPT" = launch/train.py ]; then
   if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [[ "$NPROC" =~ ^[0-9]+$ ]]; then
     python "$TRAIN_SCRIPT" --config "$CONFIG" --dry-run --world-size $((NNODES * NPROC)) "$@" > /dev/null \
       || { echo "pretrain.sh: comera pretrain --dry-run refused this run (above); nothing started" >&2; exit 2; }
   else
-    echo "pretrain.sh: outside an allocation the job's world size is unknown: the job checks the config and" \
+    python "$TRAIN_SCRIPT" --config "$CONFIG" --check-config "$@" > /dev/null \
+      || { echo "pretrain.sh: comera pretrain --check-config refused this config (above); nothing started" >&2; exit 2; }
+    echo "pretrain.sh: outside an allocation the job's world size is unknown: config keys checked; the job checks" \
          "its batch arithmetic before srun (comera pretrain --dry-run --world-size N checks it now)" >&2
   fi
 fi

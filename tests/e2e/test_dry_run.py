@@ -142,3 +142,34 @@ def test_a_bad_environment_setting_is_one_line_exit_2(var, value, needle, dry_ru
     assert rc == cli.EXIT_BAD_INPUT and needle in err, err
     assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
     assert not out_dir.exists()
+
+
+# valid for the job it was written for (4 nodes x 8 ranks: 32 x 2 x 32 = 2048), refused at any other world size
+_SIZED_FOR_32 = ["--config", "configs/codebert.yaml", "--set", "deepspeed.gradient_accumulation_steps=2"]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),
+    (["--config", "configs/six-encoder.yaml"], "model.arch=six_encoder_cls is not pretrained"),
+    ([*_SIZED_FOR_32, "--set", "model.recompute_factors=true"], "model.recompute_factors needs"),
+])
+def test_check_config_refuses_what_pretrain_would_in_one_line(args, needle, capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    rc = cli.main(["pretrain", *args, "--set", f"train.output_dir={out_dir}", "--check-config"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and needle in err, err
+    assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
+    assert not out_dir.exists()
+
+
+def test_check_config_leaves_the_batch_arithmetic_to_the_world_size(capsys, tmp_path, monkeypatch):
+    """``slurm/pretrain.sh --dry-run`` outside an allocation: the config is checked, the batch is not (the node
+    count is sbatch's, still to come), where a dry run at the default world size refuses it."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = ["--set", f"train.output_dir={tmp_path / 'run'}"]
+    assert cli.main(["pretrain", *_SIZED_FOR_32, *out, "--check-config"]) == 0
+    assert "config accepted" in capsys.readouterr().out
+    assert cli.main(["pretrain", *_SIZED_FOR_32, *out, "--dry-run"]) == cli.EXIT_BAD_INPUT
+    assert "train_batch_size" in capsys.readouterr().err
+    assert cli.main(["pretrain", *_SIZED_FOR_32, *out, "--dry-run", "--world-size", "32"]) == 0
+    assert not (tmp_path / "run").exists()

@@ -443,6 +443,13 @@ class TrainSession:
         with gathered([r.param for r in gate_refs(self.module)]):
             return compression_report(self.module)
 
+    def gates_finite(self) -> bool:
+        """Whether every rank gate is finite (collective at ZeRO-3, where the gates are gathered). NaN gates read
+        as dead ranks (NaN is not above tau): a non-finite state, not a collapse of the ranks."""
+        params = [r.param for r in gate_refs(self.module)]
+        with gathered(params):
+            return all(bool(torch.isfinite(p.detach()).all()) for p in params)
+
     def ranks(self) -> dict[str, list[int]]:
         """Surviving ranks per tensorized layer and bond."""
         with gathered([r.param for r in gate_refs(self.module)]):

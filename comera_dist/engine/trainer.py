@@ -75,7 +75,7 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
 
     None when nothing was written because the state is non-finite (the session logs which tensors).
     """
-    _check_alive(session.compression_report())  # a dead model is not worth a checkpoint, nor a requeue
+    _check_alive(session, session.compression_report())  # a dead model is not worth a checkpoint, nor a requeue
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
               "reason": reason, "tokenizer_sha256": data.tokenizer_digest}
     try:  # the history goes inside: a job resumed from this checkpoint continues the report from here
@@ -160,9 +160,15 @@ def _peak_memory_bytes() -> float:
     return float(t.item())
 
 
-def _check_alive(report: dict[str, Any]) -> None:
-    """Raise ``RanksCollapsed`` when the model has TT layers and not one of their ranks is alive (S = 0)."""
+def _check_alive(session: TrainSession, report: dict[str, Any]) -> None:
+    """Raise ``RanksCollapsed`` when the model has TT layers and not one of their ranks is alive (S = 0) with finite
+    gates. Non-finite gates also read S = 0; that state is the non-finite guard's to stop (exit 3, nothing saved),
+    not a collapse, whose message points at the rank penalty's settings. Collective (at S = 0 only)."""
     if report["layers"] and report["size"] == 0:
+        if not session.gates_finite():
+            log.error("model size S reads 0 because rank gates are not finite (NaN/inf), not because the penalty "
+                      "pruned them; the non-finite steps that follow stop the run")
+            return
         raise RanksCollapsed()
 
 
@@ -170,7 +176,7 @@ def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
     """The slower values (collective: every rank calls it at the same steps). Raises ``RanksCollapsed`` when the
     model has TT layers and not one of their ranks is alive."""
     report = session.compression_report()
-    _check_alive(report)
+    _check_alive(session, report)
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),

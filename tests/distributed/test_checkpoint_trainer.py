@@ -18,6 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from dist_helpers import LogLines, run_ranks
 
@@ -45,7 +46,10 @@ def _train(rank: int, world_size: int, outdir: str, steps: int, fault: str = "")
     return {"status": status, "log": records.lines}
 
 
-def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path):
+@pytest.mark.parametrize("poisoned", [(".core",), (".core", ".gate")], ids=["cores", "cores-and-gates"])
+def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path, poisoned):
+    """With NaN gates too, S reads 0 (NaN is not above tau): that is a non-finite state (exit 3), not a collapse of
+    the ranks (exit 4, whose message points at the rank penalty's settings)."""
     out = tmp_path / "run"
     root = out / "checkpoints"
     run_ranks(_train, tmp_path / "w1", str(out), 4)  # checkpoints at steps 2 and 4 (keep_checkpoints=2)
@@ -64,8 +68,10 @@ def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path)
     shard = step7 / "mp_rank_00_model_states.pt"
     state = torch.load(shard, map_location="cpu", weights_only=False)
     for name, t in state["module"].items():
-        if t.is_floating_point() and name.endswith(".core"):  # every layer's flat cores
+        if t.is_floating_point() and name.endswith(poisoned):  # every layer's flat cores (and gates)
             t.fill_(float("nan"))
+    gates = [t for name, t in state["module"].items() if name.endswith(".gate")]
+    assert gates and all(bool(t.isnan().all()) for t in gates) is (".gate" in poisoned)
     torch.save(state, shard)
     (step7 / "COMPLETE").write_text(f"{tag_for(7)}\n")
     results = run_ranks(_train, tmp_path / "w3", str(out), 12)
@@ -74,6 +80,7 @@ def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path)
     log = results[0]["log"]
     assert any("written before checkpoint manifests" in line for line in log), log
     assert any("stopping: 3 consecutive non-finite steps" in line for line in log), log
+    assert any("rank gates are not finite" in line for line in log) is (".gate" in poisoned), log
     refused = [line for line in log if "not checkpointing" in line]  # the scheduled save at 8, the stop at 10
     assert [line.split(":")[0] for line in refused] == ["step 8", "step 10"], log
     assert "non-finite" in refused[1] and ".core," in refused[1], log

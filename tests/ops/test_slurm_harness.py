@@ -152,19 +152,17 @@ def test_scancel_stops_without_requeue(slurm_1node, tmp_path):
 def test_outside_an_allocation_the_batch_arithmetic_waits_for_the_job(slurm_1node):
     """No node count yet: a config valid for the job's size (4 nodes x 8 ranks: 32 x 2 x 32 = 2048) is not
     refused at some other size; the dry run says where it is checked. Its keys are checked."""
-    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/codebert.yaml",
-                        "--set", "deepspeed.gradient_accumulation_steps=2"], cwd=REPO,
-                       env={k: v for k, v in slurm_1node.env.items() if k != "SLURM_JOB_NUM_NODES"}
-                       | {"COMERA_DEVICE": "cpu", "COMERA_NPROC_PER_NODE": "8"}, capture_output=True, text=True,
-                       check=False)
+    def dry_run(setting: str) -> subprocess.CompletedProcess:
+        return subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/codebert.yaml", "--set", setting],
+                              cwd=REPO, env={k: v for k, v in slurm_1node.env.items() if k != "SLURM_JOB_NUM_NODES"}
+                              | {"COMERA_DEVICE": "cpu", "COMERA_NPROC_PER_NODE": "8"}, capture_output=True,
+                              text=True, check=False)
+
+    r = dry_run("deepspeed.gradient_accumulation_steps=2")
     assert r.returncode == 0, r.stderr
     assert "outside an allocation the job's world size is unknown" in r.stderr and "srun" in r.stdout
     # the config itself is checked there: a mistyped key stops before sbatch's queue wait
-    bad = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/codebert.yaml",
-                          "--set", "deepspeed.gradient_accumulation_step=2"], cwd=REPO,
-                         env={k: v for k, v in slurm_1node.env.items() if k != "SLURM_JOB_NUM_NODES"}
-                         | {"COMERA_DEVICE": "cpu", "COMERA_NPROC_PER_NODE": "8"}, capture_output=True, text=True,
-                         check=False)
+    bad = dry_run("deepspeed.gradient_accumulation_step=2")
     assert bad.returncode == 2, bad.stderr
     assert "deepspeed.gradient_accumulation_step" in bad.stderr and "refused this config" in bad.stderr
     assert "srun" not in bad.stdout

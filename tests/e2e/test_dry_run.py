@@ -128,16 +128,17 @@ _BAD_SETTINGS = [
 
 
 # a training rank reads WORLD_SIZE from its launcher (engine.distributed); a dry run reads it for the batch arithmetic
-@pytest.mark.parametrize(("var", "value", "needle", "dry_run"), [
-    *[(*case, dry) for case in _BAD_SETTINGS for dry in (True, False)],
-    ("WORLD_SIZE", "abc", "WORLD_SIZE='abc' (environment) must be a positive integer", True),
+@pytest.mark.parametrize(("var", "value", "needle", "mode"), [
+    *[(*case, mode) for case in _BAD_SETTINGS for mode in ("--dry-run", "--check-config", None)],
+    ("WORLD_SIZE", "abc", "WORLD_SIZE='abc' (environment) must be a positive integer", "--dry-run"),
 ])
-def test_a_bad_environment_setting_is_one_line_exit_2(var, value, needle, dry_run, capsys, tmp_path, monkeypatch):
-    """Checked before anything starts, by a dry run too (they were a traceback at the first step, exit 1)."""
+def test_a_bad_environment_setting_is_one_line_exit_2(var, value, needle, mode, capsys, tmp_path, monkeypatch):
+    """Checked before anything starts, by a dry run and a config check too (they were a traceback at the first
+    step, exit 1)."""
     monkeypatch.setenv(var, value)
     out_dir = tmp_path / "run"
     rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out_dir}",
-                   *(["--dry-run"] if dry_run else [])])
+                   *([mode] if mode else [])])
     err = capsys.readouterr().err
     assert rc == cli.EXIT_BAD_INPUT and needle in err, err
     assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")

@@ -74,3 +74,21 @@ def test_the_spec_stands_until_the_job_has_a_checkpoint_and_outside_a_requeue(tm
     assert requeued_spec("none", root, 1, None) == "none"  # not a Slurm job
     (root / "step00000650" / "comera_meta.json").write_text("{")  # unreadable: auto would skip it too
     assert requeued_spec("none", root, 1, "7") == "none"
+
+
+@pytest.mark.parametrize(("restarts", "spec"), [(None, "none"), ("0", "none"), ("", "none"), ("x1", "none"),
+                                                 ("1", "auto"), ("12", "auto")])
+def test_only_a_requeue_count_above_0_makes_a_job_continue(tmp_path, monkeypatch, restarts, spec):
+    """``trainer._requeued`` reads ``SLURM_RESTART_COUNT``: unset, 0 or not a count is a first run (a second
+    ``comera pretrain --resume none`` inside the same allocation starts over), only a requeue continues."""
+    from comera_dist.config import load_run_config
+    from comera_dist.engine.trainer import _requeued
+
+    cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [f"train.output_dir={tmp_path}"])
+    _checkpoint(tmp_path / "checkpoints", 4, "77")  # this job's checkpoint
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    if restarts is None:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+    assert _requeued(cfg, "none", rank=0) == spec

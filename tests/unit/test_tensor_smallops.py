@@ -105,3 +105,23 @@ def test_inside_a_checkpoint_it_keeps_only_its_inputs_and_remakes_fn_in_backward
 def _inside(fn, *inputs):
     with inside_checkpoint():
         return on_one_thread(fn, *inputs)
+
+
+def test_inside_a_checkpoint_the_remade_fn_runs_under_the_forwards_autocast(two_threads):
+    """``torch.utils.checkpoint`` remakes a block under the forward's CPU autocast; so does ``_Remade``, whose
+    backward runs outside it (autograd's thread). Under bf16 autocast the remade ``fn`` computes what the forward
+    did, so its gradients are the private graph's; remade in fp32 they were not."""
+    a = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(32, 8, requires_grad=True)
+
+    def fn(x, y):
+        return ((x @ y).float().exp(),)  # the GEMM runs in bf16 under autocast
+
+    grads = {}
+    for inside in (False, True):
+        with (torch.autocast("cpu", dtype=torch.bfloat16),
+              inside_checkpoint() if inside else contextlib.nullcontext()):
+            (out,) = on_one_thread(fn, a, b)
+        grads[inside] = torch.autograd.grad(out.sum(), (a, b))
+    for got, want in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -40,7 +40,7 @@ def _save(rank: int, world_size: int, outdir: str) -> list[tuple[str, bool]]:
 
     ckpt.os.fsync, manifest.describe = fsync, describe
     try:
-        s.save(1)
+        s.save(1, side_files={"metrics_history.json": "{}"})  # rank 0's, as the trainer's history
     finally:
         ckpt.os.fsync, manifest.describe = real_fsync, real_describe
     s.close()
@@ -54,5 +54,5 @@ def test_each_rank_flushes_its_own_shard_before_the_hashing(tmp_path):
         own = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         assert own in early, (rank, calls)
         assert not any(f"zero_pp_rank_{1 - rank}_" in name for name in early), (rank, calls)  # never another's
-    assert {"mp_rank_00_model_states.pt", "comera_meta.json", "config.yaml"} <= {
+    assert {"mp_rank_00_model_states.pt", "comera_meta.json", "config.yaml", "metrics_history.json"} <= {
         name for name, hashing in synced[0] if not hashing}

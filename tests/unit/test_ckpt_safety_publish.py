@@ -131,7 +131,7 @@ def test_side_files_are_published_under_the_manifest(engine, tmp_path):
     (path / "metrics_history.json").write_text('{"step": 1}')
     assert any("metrics_history.json" in p for p in ckpt.manifest.verify(path, ckpt.manifest.read(path),
                                                                           ckpt.manifest.checkpoint_files(path)))
-    for own in (ckpt.MARKER, ckpt.META):
+    for own in (ckpt.MARKER, ckpt.META, ckpt.CONFIG, ckpt.FULL_STATE):
         with pytest.raises(ValueError, match=f"side_files may not replace the checkpoint's own \\['{own}'\\]"):
             ckpt.save(engine, tmp_path, 3, client_state={}, meta={}, resolved_config={}, keep=1,
                       side_files={own: "x"})

@@ -146,9 +146,15 @@ def cpu_trace(step: Callable[[], object]) -> list[dict[str, Any]]:
         todo.extend(e.children)
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             found.append(e)
-    found.sort(key=lambda e: (e.start_time_ns, e.typed[1].alloc_size > 0))  # at one instant, frees first
+    return profiler_trace(found)
+
+
+def profiler_trace(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """``torch.profiler``'s allocation events (a negative ``alloc_size`` is a free) as the allocator history's
+    events, in time order. At one instant the frees come first: the profiler stamps a block's free and the
+    reuse of its address alike, and the replay keys live blocks by address."""
     trace: list[dict[str, Any]] = []
-    for e in found:
+    for e in sorted(events, key=lambda e: (e.start_time_ns, e.typed[1].alloc_size > 0)):
         fields = e.typed[1]
         if fields.alloc_size > 0:
             trace.append({"action": "alloc", "addr": fields.ptr, "size": fields.alloc_size, "frames": _py_frames(e)})

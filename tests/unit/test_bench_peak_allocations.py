@@ -5,11 +5,19 @@ from ``torch.profiler``'s allocation events in that format."""
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from comera_dist.bench.peak_allocations import NO_FRAME, cpu_trace, live_at_peak, peak_allocations, where
+from comera_dist.bench.peak_allocations import (
+    NO_FRAME,
+    cpu_trace,
+    live_at_peak,
+    peak_allocations,
+    profiler_trace,
+    where,
+)
 
 MiB = 2**20
 
@@ -53,6 +61,23 @@ def test_the_replay_finds_the_peak_and_what_was_live_then():
         {"where": "torch/optim/adamw.py:5(step)", "MiB": 5, "blocks": 1, "largest_MiB": 5},
         {"where": "comera_dist/tensor/fused_ffn.py:39(forward)", "MiB": 3, "blocks": 1, "largest_MiB": 3}]
     assert got["other_MiB"] == 2  # the attention block beyond the top 2
+
+
+def _event(ns: int, ptr: int, size: int) -> SimpleNamespace:
+    """A ``torch.profiler`` allocation event (a negative size is a free) with no Python frame above it."""
+    return SimpleNamespace(start_time_ns=ns, typed=(None, SimpleNamespace(alloc_size=size, ptr=ptr)), parent=None)
+
+
+def test_a_profiler_free_and_the_reuse_of_its_address_at_one_instant_replay_free_first():
+    """The profiler stamps a free and the next allocation at that address alike; listed alloc first, the replay
+    counted both blocks at once (a false peak) and then lost the new one with the free."""
+    events = [_event(0, 1, 4 * MiB), _event(5, 1, 2 * MiB), _event(5, 1, -4 * MiB), _event(9, 2, 3 * MiB)]
+    trace = profiler_trace(events)
+    assert [(e["action"], e["addr"]) for e in trace] == [("alloc", 1), ("free_completed", 1), ("alloc", 1),
+                                                           ("alloc", 2)]
+    got = live_at_peak(trace)
+    assert got["transient_peak_MiB"] == 5  # 2 + 3: never 4 + 2 at once
+    assert got["rows"] == [{"where": NO_FRAME, "MiB": 5, "blocks": 2, "largest_MiB": 3}]
 
 
 def test_an_empty_history_has_no_peak():

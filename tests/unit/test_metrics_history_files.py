@@ -46,6 +46,9 @@ def test_a_checkpoint_without_a_history_reads_the_one_beside_the_report(tmp_path
     resumed = _metrics(tmp_path)
     resumed.restore_history(4, tmp_path / "old")
     assert [s for s, _ in resumed.history.scalars["train_loss"]] == [1, 2, 3, 4]
+    earlier = _metrics(tmp_path)  # resumed from an older checkpoint: what that file logged after it is not the run's
+    earlier.restore_history(2, tmp_path / "old")
+    assert [s for s, _ in earlier.history.scalars["train_loss"]] == [1, 2]
     (tmp_path / HISTORY_FILE).unlink()
     alone = _metrics(tmp_path)
     alone.restore_history(4, tmp_path / "old")

@@ -146,7 +146,7 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
     ``flops_per_token_tensorized``, ``dense_params_tensorized``,
     ``leftover_params`` (every parameter that is no core or gate: norms, biases, heads,
     untensorized layers), ``gate_params``, ``compression_ratio_tensorized`` (dense /
-    active over the tensorized layers) and ``compression_ratio_model`` ((leftover + dense)
+    active over the tensorized layers; 1 without any, inf once all their ranks are dead) and ``compression_ratio_model`` ((leftover + dense)
     / (leftover + active): the whole model, dense leftovers included).
     """
     rows: dict[str, dict[str, Any]] = {}
@@ -176,6 +176,7 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
         "leftover_params": leftover,
         "gate_params": gate_params,
         "flops_per_token_tensorized": sum(r["flops_per_token"] for r in rows.values()),
-        "compression_ratio_tensorized": dense / size if size else math.inf,
+        # no TT layer (a dense run): nothing compressed, 1; every rank dead: inf
+        "compression_ratio_tensorized": dense / size if size else (math.inf if rows else 1.0),
         "compression_ratio_model": (leftover + dense) / (leftover + size) if leftover + size else math.inf,
     }

@@ -43,7 +43,7 @@ def write_report(history: History, output_dir: str | Path, *, run_name: str, wor
     for key, series in sorted(history.scalars.items()):
         low, high = (history.best(key, lowest=lowest) or (None, math.nan) for lowest in (True, False))
         lines.append(f"| {key} | {_fmt(series[0][1])} | {_fmt(series[-1][1])} | {_fmt(low[1])} | {_fmt(high[1])} |")
-    if history.ranks:
+    if history.ranks and any(snap for _, snap in history.ranks):  # a dense run snapshots no layer
         step, final = history.ranks[-1]
         first = history.ranks[0][1]
         lines += ["", f"## TT ranks (first logged -> step {step})", "", "| layer | ranks |", "|---|---|"]
@@ -89,11 +89,12 @@ def _stage_switch(history: History) -> int | None:
 
 
 def _plot_rank_heatmap(history: History, path: Path) -> bool:
-    """Rows: (layer, bond); columns: rank snapshots over time; colour: active rank."""
-    if not history.ranks:
-        return False
+    """Rows: (layer, bond); columns: rank snapshots over time; colour: active rank. None drawn without a bond (a
+    dense run, ``comera.enabled=false``, snapshots no layer)."""
     rows = sorted({(layer, b) for _, snap in history.ranks for layer, bonds in snap.items()
                    for b in range(len(bonds))})
+    if not rows:
+        return False
     grid = [[math.nan] * len(history.ranks) for _ in rows]  # (bonds, snapshots)
     index = {row: i for i, row in enumerate(rows)}
     for j, (_, snap) in enumerate(history.ranks):

@@ -373,3 +373,18 @@ def test_compiled_step_matches_eager(run_dir, tmp_path, backend, mode):
         # differently (1.3e-6 measured after 3 steps); every other tensor agrees to 1e-6.
         atol = 1e-5 if name.endswith("attn.key.bias") else 1e-6
         torch.testing.assert_close(compiled[name], t, rtol=1e-5, atol=atol, msg=name)
+
+
+def test_a_dense_run_trains_logs_and_checkpoints(tmp_path):
+    """``comera.enabled=false``, the dense baseline users compare against: no TT layer, so no rank to collapse
+    (S = 0 there is no collapse), and the job trains, logs its ratio (1) and checkpoints as a CoMERA run does."""
+    out = tmp_path / "run"
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
+               "--set", "comera.enabled=false", "--set", "train.steps=2", "--set", "train.checkpoint_every=2",
+               "--set", "train.log_every=1", "--set", "metrics.prometheus=false")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step00000002"
+    assert "step 2/2 train_loss" in p.stderr and "compression_ratio 1 " in p.stderr, p.stderr[-2000:]
+    report = (out / "report.md").read_text()  # its end: a rank heatmap of no layer crashed the job here
+    assert "| compression_ratio_tensorized | 1 | 1 | 1 | 1 |" in report, report
+    assert "TT ranks" not in report and not (out / "report_ranks.png").exists(), report

@@ -110,7 +110,13 @@ def test_core_params_rejects_bad_ranks():
         core_params(shapes, [4])
     with pytest.raises(ValueError, match=r"2 cores need 1 ranks, got \[1, 1\]"):
         core_params(shapes, [1, 1])
-    assert math.isinf(compression_report(nn.Linear(2, 2))["compression_ratio_tensorized"])
+    # no TT layer (a dense run): nothing compressed, 1 (a dashboard cannot plot inf); every rank dead: inf
+    assert compression_report(nn.Linear(2, 2))["compression_ratio_tensorized"] == 1.0
+    dead = _small()
+    with torch.no_grad():
+        for layer in (dead.lin, dead.emb):
+            layer.gate.zero_()
+    assert math.isinf(compression_report(dead)["compression_ratio_tensorized"])
 
 
 def _random_gates(m: nn.Module, seed: int) -> None:

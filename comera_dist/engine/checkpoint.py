@@ -250,7 +250,14 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
         # out of sight first, in one rename: a reader (``comera evaluate`` on the live run) finds it gone at once,
         # and what a failed delete leaves is a temporary tag, which the sweep below retries next time
         doomed = root / f"{TMP_PREFIX}removing-{path.name}"
-        os.rename(path, doomed)
+        try:
+            if doomed.exists():  # a failed delete of an earlier checkpoint of that step, since saved again
+                shutil.rmtree(doomed)
+            os.rename(path, doomed)
+        except OSError as e:  # after publication: housekeeping, never a failed save (nor ranks left at a barrier)
+            log.warning("retention: could not remove %s (%s); it is kept, and tried again at the next checkpoint",
+                        path, e)
+            continue
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
     for path in root.glob(TMP_PREFIX + "*"):

@@ -112,3 +112,31 @@ def test_resolve_and_choose_take_a_checkpoints_root_or_one_checkpoint(engine, tm
     assert ckpt.resolve(str(root), elsewhere) == first and ckpt.choose(str(root), elsewhere) == first
     assert ckpt.resolve(str(second), elsewhere) == second and ckpt.choose(str(second), elsewhere) == second
     assert ckpt.resolve("auto", elsewhere) is None and ckpt.choose("auto", elsewhere) is None
+
+
+def test_retention_removes_a_checkpoint_whose_earlier_delete_left_its_renamed_copy(engine, tmp_path, caplog):
+    """A failed delete leaves ``.tmp-removing-<tag>``; once that step is saved again and old, its rename met the
+    leftover (ENOTEMPTY) and raised on rank 0 after publication, the other ranks waiting at the closing barrier."""
+    _save(engine, tmp_path, 2)
+    _save(engine, tmp_path, 4)
+    leftover = tmp_path / f"{ckpt.TMP_PREFIX}removing-{ckpt.tag_for(2)}"  # after the last sweep, as if it had failed
+    leftover.mkdir()
+    (leftover / MODEL).write_text("the earlier copy's remains")
+    _save(engine, tmp_path, 6, keep=1)
+    assert _steps(tmp_path) == [6] and not leftover.exists()
+    assert "retention: could not remove" not in caplog.text
+
+
+def test_a_checkpoint_retention_cannot_remove_is_kept_with_a_warning(engine, tmp_path, caplog, monkeypatch):
+    _save(engine, tmp_path, 2)
+    real_rename = ckpt.os.rename
+
+    def rename(src, dst):
+        if Path(dst).name.startswith(f"{ckpt.TMP_PREFIX}removing-"):
+            raise PermissionError(13, "Permission denied", str(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    path = _save(engine, tmp_path, 4, keep=1)  # published and verified: the save succeeds
+    assert path.name == ckpt.tag_for(4) and _steps(tmp_path) == [2, 4]
+    assert f"retention: could not remove {tmp_path / ckpt.tag_for(2)}" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -388,3 +389,27 @@ def test_a_dense_run_trains_logs_and_checkpoints(tmp_path):
     report = (out / "report.md").read_text()  # its end: a rank heatmap of no layer crashed the job here
     assert "| compression_ratio_tensorized | 1 | 1 | 1 | 1 |" in report, report
     assert "TT ranks" not in report and not (out / "report_ranks.png").exists(), report
+
+
+def test_a_gpt_pretrains_evaluates_and_exports_through_the_cli(tmp_path):
+    """The causal path as a user runs it (``configs/gpt-small.yaml``'s arch, objective and tied TTM head at
+    tiny-cpu's size): ``comera pretrain`` with its prunes and late stage, ``comera evaluate`` scoring next tokens,
+    and ``comera export`` to a HuggingFace causal LM that loads and generates."""
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
+               "--set", "model.arch=gpt", "--set", "data.objective=causal", "--set", "model.tie_word_embeddings=true",
+               "--set", "metrics.prometheus=false", *PRUNING_RUN)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "physical prune, engine rebuilt" in p.stderr and "step 6/6 train_loss" in p.stderr
+    ev = comera("evaluate", "--checkpoint", str(out), "--data", str(REPO / "comera_dist" / "cli.py"), "--json")
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads(ev.stdout)
+    assert result["objective"] == "causal" and math.isfinite(result["loss"]) and result["batches"] > 0
+    ex = comera("export", "--checkpoint", str(out), "--out", str(hf))
+    assert ex.returncode == 0 and ex.stdout.strip() == str(hf), ex.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
+    ids = tok("def main():", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert generated.shape == (1, ids.shape[1] + 3)

@@ -146,8 +146,9 @@ def compression_report(model: nn.Module, shape_of: ShapeOf = default_shape_of) -
     ``flops_per_token_tensorized``, ``dense_params_tensorized``,
     ``leftover_params`` (every parameter that is no core or gate: norms, biases, heads,
     untensorized layers), ``gate_params``, ``compression_ratio_tensorized`` (dense /
-    active over the tensorized layers; 1 without any, inf once all their ranks are dead) and ``compression_ratio_model`` ((leftover + dense)
-    / (leftover + active): the whole model, dense leftovers included).
+    active over the tensorized layers; 1 without any, inf once all their ranks are dead) and
+    ``compression_ratio_model`` ((leftover + dense) / (leftover + active): the whole model, dense
+    leftovers included).
     """
     rows: dict[str, dict[str, Any]] = {}
     role_ids = {pid for pid, role in param_roles(model).items() if role != "dense"}

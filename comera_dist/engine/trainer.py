@@ -172,11 +172,26 @@ def _check_alive(session: TrainSession, report: dict[str, Any]) -> None:
         raise RanksCollapsed()
 
 
-def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
+def _warn_dead_inputs(report: dict[str, Any], warned: set[str], rank: int) -> None:
+    """Log once per layer (rank 0) a TT embedding with a bond of no rank alive: it maps every token to zero, so the
+    model no longer sees its input, and no gradient revives a dead gate. A warning, not a stop: an aggressive
+    gate setting can do it in a few steps (the tests' pruning runs do), and the run itself goes on."""
+    for name, row in report["layers"].items():
+        if row["kind"] == "TTEmbedding" and 0 in row["ranks"] and name not in warned:
+            warned.add(name)
+            if rank == 0:
+                log.error("%s has a bond with no rank alive (ranks %s): it maps every token to zero, so the model "
+                          "no longer sees its input, and a dead gate gets no gradient. Lower comera.controller.gamma "
+                          "or comera.lr.gates and resume from a checkpoint written before this", name, row["ranks"])
+
+
+def _periodic_metrics(session: TrainSession, data: RunData, warned: set[str]) -> dict[str, float]:
     """The slower values (collective: every rank calls it at the same steps). Raises ``RanksCollapsed`` when the
-    model has TT layers and not one of their ranks is alive."""
+    model has TT layers and not one of their ranks is alive; warns of a dead input embedding (``warned``: the
+    layers already named)."""
     report = session.compression_report()
     _check_alive(session, report)
+    _warn_dead_inputs(report, warned, tdist.get_rank() if tdist.is_initialized() else 0)
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),
@@ -283,7 +298,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:
-        initial = _periodic_metrics(session, data)
+        dead_inputs: set[str] = set()  # the embeddings already warned of (``_warn_dead_inputs``)
+        initial = _periodic_metrics(session, data, dead_inputs)
         if start == 0:  # the starting point of the validation curve
             initial["val_loss"], initial["val_accuracy"] = session.evaluate(data.validation_batches())
             if info.rank == 0:
@@ -320,9 +336,9 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 faults.attach(session.module)  # the rebuilt engine holds a new module
                 maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)
-                values.update(_periodic_metrics(session, data))
+                values.update(_periodic_metrics(session, data, dead_inputs))
             elif step % cfg.train.log_every == 0:
-                values.update(_periodic_metrics(session, data))
+                values.update(_periodic_metrics(session, data, dead_inputs))
                 metrics.log_ranks(session.ranks(), step)
             if _due(step, cfg.train.eval_every, cfg.train.steps):
                 values["val_loss"], values["val_accuracy"] = session.evaluate(data.validation_batches())

@@ -95,6 +95,7 @@ def test_pretrain_writes_checkpoints_config_and_report(run_dir):
         assert png.name in report
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
+    assert "no rank alive" not in (run_dir.parent / "pretrain.log").read_text()  # its embedding lives
 
 
 def test_a_log_file_gets_step_lines_with_an_eta_and_no_bar(run_dir):
@@ -302,6 +303,9 @@ def test_a_warmup_run_that_prunes_logs_no_scheduler_warning(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "physical prune, engine rebuilt" in p.stderr  # a second engine build
     assert "Attempting to get learning rate" not in p.stdout + p.stderr
+    # these gate settings also kill the TTM embedding's ranks within 6 steps: said once, at the first read
+    assert p.stderr.count("embeddings.word has a bond with no rank alive") == 1, p.stderr[-3000:]
+    assert "the model no longer sees its input" in p.stderr
 
 
 def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_path):

@@ -123,13 +123,10 @@ def pretrain(args: argparse.Namespace) -> int:
 
     stop = StopRequest(START_SIGNALS)
     try:
-        from comera_dist.config import load_run_config
         from comera_dist.engine.distributed import leave_distributed
         from comera_dist.engine.trainer import train
-        from comera_dist.kernels.dispatch import check_environment
 
-        cfg = load_run_config(args.config, _overrides(args))  # the world size is checked once ranks are known
-        check_environment()  # before the ranks start: not a traceback at the first step
+        cfg = _checked_config(args)  # the world size is checked once ranks are known
         status = train(cfg, resume=cfg.train.resume, stop=stop)  # every rank returns together (closing barrier)
     finally:
         stop.close()
@@ -139,14 +136,12 @@ def pretrain(args: argparse.Namespace) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``comera pretrain --dry-run``: the resolved config and its batch arithmetic, nothing started."""
-    from comera_dist.config import check_pretrainable, load_run_config
+    from comera_dist.config import check_pretrainable
     from comera_dist.configbase import ConfigError
     from comera_dist.engine.summary import format_summary, run_summary
-    from comera_dist.kernels.dispatch import check_environment
 
     world_size = _world_size(args.world_size)
-    cfg = load_run_config(args.config, _overrides(args), world_size=world_size)
-    check_environment()  # COMERA_KERNELS, COMERA_RANK_ALIGN, COMERA_FFN_ROWS
+    cfg = _checked_config(args, world_size)
     summary = run_summary(cfg, world_size=world_size)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
@@ -159,15 +154,24 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """``comera pretrain --check-config``: what ``pretrain`` checks before any rank starts, nothing more."""
-    from comera_dist.config import check_pretrainable, load_run_config
-    from comera_dist.kernels.dispatch import check_environment
+    from comera_dist.config import check_pretrainable
 
-    cfg = load_run_config(args.config, _overrides(args))  # the batch arithmetic waits for the world size
-    check_environment()
-    check_pretrainable(cfg)
+    check_pretrainable(_checked_config(args))  # the batch arithmetic waits for the world size
     print(f"comera pretrain: {args.config}: config accepted (the batch arithmetic is checked at the run's world "
           "size: --dry-run --world-size N)")
     return 0
+
+
+def _checked_config(args: argparse.Namespace, world_size: int | None = None):
+    """The run config of ``args`` (with ``world_size``, its batch arithmetic too) and the ``COMERA_*`` settings
+    (``COMERA_KERNELS``, ``COMERA_RANK_ALIGN``, ``COMERA_FFN_ROWS``) checked, before any rank starts: a bad one is
+    one line, not a traceback at the first step."""
+    from comera_dist.config import load_run_config
+    from comera_dist.kernels.dispatch import check_environment
+
+    cfg = load_run_config(args.config, _overrides(args), world_size=world_size)
+    check_environment()
+    return cfg
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:

@@ -191,7 +191,7 @@ def _periodic_metrics(session: TrainSession, data: RunData, warned: set[str]) ->
     layers already named)."""
     report = session.compression_report()
     _check_alive(session, report)
-    _warn_dead_inputs(report, warned, tdist.get_rank() if tdist.is_initialized() else 0)
+    _warn_dead_inputs(report, warned, tdist.get_rank())  # the job's process group is up (init_distributed)
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),

@@ -52,11 +52,14 @@ def _loss_and_grads(model: nn.Module, batch: dict[str, torch.Tensor], seed: int 
 
 
 def _assert_same(plain: nn.Module, recomputing: nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    """The same loss and R, and their gradients: bit for bit in the forward; the gradients to within fp32 rounding, and
-    tighter when the factors are the model's (remade per block, their products are summed in another order)."""
+    """The same loss and R, and their gradients: bit for bit in the forward when the factors are the model's, to
+    fp32 rounding when each block remakes its own (a batched GEMM over the block's layers against one over the
+    model's: BLAS may block them differently, 1.9e-7 of the loss measured on an Intel Xeon, bit for bit on an AMD
+    EPYC); the gradients to within fp32 rounding, and tighter when the factors are the model's."""
     loss_p, grads_p = _loss_and_grads(plain, batch)
     loss_r, grads_r = _loss_and_grads(recomputing, batch)
-    torch.testing.assert_close(loss_r, loss_p, rtol=0, atol=0)
+    exact = not recomputing.config.recompute_factors
+    torch.testing.assert_close(loss_r, loss_p, rtol=0 if exact else 1e-6, atol=0)
     assert grads_r.keys() == grads_p.keys() and grads_p
     tol = {"rtol": 1e-5, "atol": 1e-6} if recomputing.config.recompute_factors else {"rtol": 1e-6, "atol": 1e-7}
     for name, g in grads_p.items():

@@ -84,7 +84,9 @@ def _train_losses(log: Path) -> dict[int, float]:
 
 
 def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str, rel_tol: str) -> int:
-    """Run B resumed run A's checkpoint at ``resume_step``: its losses must be A's, step for step."""
+    """Run B resumed run A's checkpoint at ``resume_step``: its losses must be A's, step for step. A's losses must
+    move after that step: a model that no longer trains (a dead input embedding pins the loss at ln(vocab)) would
+    pass the comparison whatever the resume restored."""
     k, last, tol = int(resume_step), int(last_step), float(rel_tol)
     a, b = _train_losses(Path(log_a)), _train_losses(Path(log_b))
     text_a, text_b = Path(log_a).read_text(errors="replace"), Path(log_b).read_text(errors="replace")
@@ -104,6 +106,10 @@ def resume(log_a: str, log_b: str, dir_a: str, resume_step: str, last_step: str,
     missing = [s for s in steps if s not in a or s not in b]
     if missing:
         problems.append(f"steps {missing} missing from the logs (log_every must be 1)")
+    compared = [a[s] for s in steps if s in a]
+    if len(compared) > 1 and len(set(compared)) == 1:
+        problems.append(f"run A's loss is {compared[0]} at every step after {k}: the model no longer trains, so "
+                        "matching it proves nothing about the resume")
     worst = 0.0
     for s in steps:
         if s in a and s in b:

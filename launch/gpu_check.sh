@@ -145,11 +145,13 @@ fi
 # The run: bf16 (fp32 masters), the late stage from step LATE, a physical prune every PRUNE steps with a
 # high gate threshold and gate lr so ranks really die in a short run (a low target loss keeps lambda at 0,
 # so the late stage does not drive every gate below tau at once), a checkpoint every CKPT steps, every
-# step logged.
+# step logged. The embedding's threshold is low (0.3): at 0.97 a bond of it dies in 2 steps (all its gates
+# fall together), and the trainer stops a model that no longer sees its input (exit 4).
 TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.precision=bf16
        --set train.steps=$STEPS --set train.checkpoint_every=$CKPT --set train.eval_every=$CKPT
        --set train.eval_batches=2 --set train.log_every=1 --set comera.controller.late_stage_step=$LATE
-       --set comera.controller.tau=0.97 --set comera.lr.gates=0.02 --set comera.controller.target_loss=3.0
+       --set comera.controller.tau=0.97 --set comera.controller.embedding_tau=0.3 --set comera.lr.gates=0.02
+       --set comera.controller.target_loss=3.0
        --set deepspeed.scheduler.warmup_steps=1 --set comera.pruning.every=$PRUNE
        --set comera.pruning.start_step=$PRUNE --set metrics.prometheus=false)
 

@@ -73,6 +73,11 @@ class ControllerConfig:
     """Early-stage weight of the rank penalty: ``loss = L + gamma * R``."""
     tau: float = 1e-2
     """Gate threshold: a rank survives while its gate exceeds ``tau``, in (0, 1): every gate starts at 1."""
+    embedding_tau: float | None = None
+    """The TT embedding's gate threshold, in (0, 1) (``None``: ``tau``). A bond of the embedding with no rank
+    alive maps every token to zero, and the run stops (exit 4); a dead projection only drops its sublayer. So
+    the embedding may need a lower threshold than the projections: an aggressive ``tau`` (a short run that must
+    prune) kills its bonds first, since all of a bond's gates can fall together."""
     late_stage_step: int | None = None
     """Optimizer step at which the late stage begins (``None``: not by step)."""
     late_stage_loss: float | None = None
@@ -93,6 +98,8 @@ class ControllerConfig:
         if not 0 < self.tau < 1:
             raise ValueError(f"controller.tau must be in (0, 1), got {self.tau}: every gate starts at 1, so "
                              "a threshold of 1 or more kills every rank before the first step")
+        if self.embedding_tau is not None and not 0 < self.embedding_tau < 1:
+            raise ValueError(f"controller.embedding_tau must be in (0, 1) or null, got {self.embedding_tau}")
         if self.late_stage_step is not None and self.late_stage_step < 0:
             raise ValueError(f"controller.late_stage_step must be >= 0 or null, got {self.late_stage_step}")
         if self.late_stage_loss is not None and not self.late_stage_loss > 0:

@@ -71,6 +71,19 @@ class RanksCollapsed(RuntimeError):
             "comera.lr.gates, then resume from a checkpoint written before the collapse, or start over")
 
 
+class InputEmbeddingDead(RanksCollapsed):
+    """A bond of the TT embedding has no rank alive: the embedding maps every token to zero, so the model no longer
+    sees its input (and, through a tied head, predicts nothing: the loss sits at ln(vocab size)). A dead gate gets
+    no gradient, so the bond cannot come back."""
+
+    def __init__(self, layer: str, ranks: list[int]) -> None:
+        RuntimeError.__init__(
+            self, f"{layer} has a bond with no rank alive (ranks {ranks}): the embedding maps every token to zero, so "
+            "the model no longer sees its input, and a dead gate gets no gradient, so no rank can come back. Set "
+            "comera.controller.embedding_tau below comera.controller.tau, or lower comera.controller.gamma or "
+            "comera.lr.gates, then resume from a checkpoint written before this, or start over")
+
+
 _OPTIONAL_STATE = frozenset({"last_loss"})
 """State keys a checkpoint may lack (added later; their defaults apply)."""
 

@@ -9,8 +9,10 @@ The loop only calls components. Its contract with the outside world:
   a checkpoint, when non-finite gradients were applied (``session.NonFiniteGradientsApplied``:
   bf16 with ``deepspeed.bf16_overflow_check=false``);
 * exit ``EXIT_COLLAPSED`` (4), without a checkpoint, once every rank of every TT layer is dead
-  (``compression.controller.RanksCollapsed``: S = 0, which no gradient can undo), found where S is read:
-  at every ``train.log_every`` step, at a prune, before every checkpoint, and at the switch to the late stage;
+  (``compression.controller.RanksCollapsed``: S = 0, which no gradient can undo), or a bond of the TT
+  embedding (``InputEmbeddingDead``: the model no longer sees its input), found where the ranks are read:
+  at every ``train.log_every`` step, at a prune, before every checkpoint (and S = 0 at the switch to the late
+  stage);
 * ``resume="auto"`` continues from the latest complete checkpoint under ``train.output_dir``.
 """
 
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
-from comera_dist.compression.controller import RanksCollapsed
+from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
 from comera_dist.config import RunConfig, check_pretrainable, check_world_size
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
 from comera_dist.engine.device import accelerator_device, collective_tensor
@@ -160,38 +162,38 @@ def _peak_memory_bytes() -> float:
     return float(t.item())
 
 
-def _check_alive(session: TrainSession, report: dict[str, Any]) -> None:
-    """Raise ``RanksCollapsed`` when the model has TT layers and not one of their ranks is alive (S = 0) with finite
-    gates. Non-finite gates also read S = 0; that state is the non-finite guard's to stop (exit 3, nothing saved),
-    not a collapse, whose message points at the rank penalty's settings. Collective (at S = 0 only)."""
+def _why_dead(report: dict[str, Any]) -> RanksCollapsed | None:
+    """Why the model cannot train on, read off a compression report (None: it can). Not one rank of its TT layers
+    alive (S = 0: ``RanksCollapsed``), or a TT embedding with a bond of no rank alive (``InputEmbeddingDead``: it
+    maps every token to zero, so the model no longer sees its input). A dead projection inside a block is neither:
+    the residual carries on without its sublayer, which is a compression."""
     if report["layers"] and report["size"] == 0:
-        if not session.gates_finite():
-            log.error("model size S reads 0 because rank gates are not finite (NaN/inf), not because the penalty "
-                      "pruned them; the non-finite steps that follow stop the run")
-            return
-        raise RanksCollapsed()
-
-
-def _warn_dead_inputs(report: dict[str, Any], warned: set[str], rank: int) -> None:
-    """Log once per layer (rank 0) a TT embedding with a bond of no rank alive: it maps every token to zero, so the
-    model no longer sees its input, and no gradient revives a dead gate. A warning, not a stop: an aggressive
-    gate setting can do it in a few steps (the tests' pruning runs do), and the run itself goes on."""
+        return RanksCollapsed()
     for name, row in report["layers"].items():
-        if row["kind"] == "TTEmbedding" and 0 in row["ranks"] and name not in warned:
-            warned.add(name)
-            if rank == 0:
-                log.error("%s has a bond with no rank alive (ranks %s): it maps every token to zero, so the model "
-                          "no longer sees its input, and a dead gate gets no gradient. Lower comera.controller.gamma "
-                          "or comera.lr.gates and resume from a checkpoint written before this", name, row["ranks"])
+        if row["kind"] == "TTEmbedding" and 0 in row["ranks"]:
+            return InputEmbeddingDead(name, row["ranks"])
+    return None
 
 
-def _periodic_metrics(session: TrainSession, data: RunData, warned: set[str]) -> dict[str, float]:
+def _check_alive(session: TrainSession, report: dict[str, Any]) -> None:
+    """Raise ``_why_dead``'s reason when its gates are finite. Non-finite gates read as dead too; that state is the
+    non-finite guard's to stop (exit 3, nothing saved), not a collapse, whose message points at the rank penalty's
+    settings. Collective where a layer reads dead (the report is global: every rank raises at the same step)."""
+    dead = _why_dead(report)
+    if dead is None:
+        return
+    if not session.gates_finite():
+        log.error("rank gates read dead because they are not finite (NaN/inf), not because the penalty pruned them; "
+                  "the non-finite steps that follow stop the run")
+        return
+    raise dead
+
+
+def _periodic_metrics(session: TrainSession, data: RunData) -> dict[str, float]:
     """The slower values (collective: every rank calls it at the same steps). Raises ``RanksCollapsed`` when the
-    model has TT layers and not one of their ranks is alive; warns of a dead input embedding (``warned``: the
-    layers already named)."""
+    model cannot train on (``_check_alive``)."""
     report = session.compression_report()
     _check_alive(session, report)
-    _warn_dead_inputs(report, warned, tdist.get_rank())  # the job's process group is up (init_distributed)
     return {"compression_ratio": float(report["compression_ratio_model"]),
             "compression_ratio_tensorized": float(report["compression_ratio_tensorized"]),
             "model_params": float(report["leftover_params"] + report["size"]),
@@ -298,8 +300,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
     try:
-        dead_inputs: set[str] = set()  # the embeddings already warned of (``_warn_dead_inputs``)
-        initial = _periodic_metrics(session, data, dead_inputs)
+        initial = _periodic_metrics(session, data)
         if start == 0:  # the starting point of the validation curve
             initial["val_loss"], initial["val_accuracy"] = session.evaluate(data.validation_batches())
             if info.rank == 0:
@@ -336,9 +337,9 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 faults.attach(session.module)  # the rebuilt engine holds a new module
                 maybe_compile(cfg, session)  # new shapes: trace the new module again
                 metrics.log_ranks(session.ranks(), step)
-                values.update(_periodic_metrics(session, data, dead_inputs))
+                values.update(_periodic_metrics(session, data))
             elif step % cfg.train.log_every == 0:
-                values.update(_periodic_metrics(session, data, dead_inputs))
+                values.update(_periodic_metrics(session, data))
                 metrics.log_ranks(session.ranks(), step)
             if _due(step, cfg.train.eval_every, cfg.train.steps):
                 values["val_loss"], values["val_accuracy"] = session.evaluate(data.validation_batches())

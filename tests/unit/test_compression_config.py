@@ -59,6 +59,8 @@ def test_unknown_key_is_a_config_error_with_hint():
         (ControllerConfig, {"tau": -1e-3}, r"tau must be in \(0, 1\), got -0.001"),
         (ControllerConfig, {"tau": 1.0}, r"tau must be in \(0, 1\), got 1.0: every gate starts at 1"),
         (ControllerConfig, {"tau": float("nan")}, r"tau must be in \(0, 1\), got nan"),
+        (ControllerConfig, {"embedding_tau": 0.0}, r"controller.embedding_tau must be in \(0, 1\) or null, got 0.0"),
+        (ControllerConfig, {"embedding_tau": 1.0}, r"controller.embedding_tau must be in \(0, 1\) or null, got 1.0"),
         (ControllerConfig, {"gamma": -1.0}, r"gamma .* got -1.0"),
         (ControllerConfig, {"target_ratio": 0.0}, r"target_ratio .* got 0.0"),
         (ControllerConfig, {"target_ratio": 1.5}, r"target_ratio .* got 1.5"),

@@ -121,6 +121,10 @@ def test_gpu_check_resume_comparison_fails_on_a_diverging_run(tmp_path):
     assert r.returncode == 1 and "step 4" in r.stderr
     log(b, {3: 5.8, 4: 5.7})  # never resumed: a fresh run that happens to match is not a resume
     assert subprocess.run(cmd, cwd=REPO, capture_output=True, check=False).returncode == 1
+    log(a, {1: 6.0, 2: 5.9, 3: 6.238, 4: 6.238}, "step 2: physical prune, engine rebuilt\n")  # a model that stopped
+    log(b, {3: 6.238, 4: 6.238}, "resumed at step 2\n")  # learning matches any resume
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and "the model no longer trains" in r.stderr, r.stderr
 
 
 def test_gpu_check_summary_reports_the_cudagraph_trees(tmp_path):

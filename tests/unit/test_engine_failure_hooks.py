@@ -13,7 +13,8 @@ from torch import nn
 
 from comera_dist.engine.faults import NonFiniteInjector, parse_steps
 from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
-from comera_dist.engine.trainer import NonFiniteGuard, _due, _eta, _warn_dead_inputs
+from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
+from comera_dist.engine.trainer import NonFiniteGuard, _due, _eta, _why_dead
 
 
 def test_parse_steps():
@@ -108,17 +109,17 @@ def test_stop_request_watches_more_signals_later_and_restores_the_first_handlers
     assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
 
 
-def test_a_dead_input_embedding_is_named_once_by_rank_0(caplog):
-    """A TT embedding with a bond of no rank alive maps every token to zero: said once per layer, by rank 0 only
-    (every rank records it, so no rank says it again); a layer whose bonds all live, or a linear one, is not."""
-    report = {"layers": {"embeddings.word": {"kind": "TTEmbedding", "ranks": [0, 2, 3]},
-                         "blocks.0.attn.out": {"kind": "TTLinear", "ranks": [0, 1]},
-                         "other.table": {"kind": "TTEmbedding", "ranks": [1, 1, 1]}}}
-    warned: set[str] = set()
-    with caplog.at_level("ERROR", logger="comera_dist.engine.trainer"):
-        for _ in range(3):
-            _warn_dead_inputs(report, warned, rank=0)
-        _warn_dead_inputs(report, set(), rank=1)
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("embeddings.word has a bond with no rank alive (ranks [0, 2, 3])")
-    assert warned == {"embeddings.word"}
+def test_a_dead_input_embedding_stops_the_run_and_a_dead_projection_does_not():
+    """A TT embedding with a bond of no rank alive maps every token to zero: the model cannot train on
+    (``InputEmbeddingDead``, which the trainer's exit 4 catches as a collapse). A dead bond of a projection, or an
+    embedding whose bonds all live, is a compression; S = 0 is the collapse whatever the embedding."""
+    live = {"blocks.0.attn.out": {"kind": "TTLinear", "ranks": [0, 1]},
+            "other.table": {"kind": "TTEmbedding", "ranks": [1, 1, 1]}}
+    assert _why_dead({"layers": live, "size": 10}) is None
+    dead = _why_dead({"layers": {**live, "embeddings.word": {"kind": "TTEmbedding", "ranks": [1, 0, 2]}}, "size": 10})
+    assert isinstance(dead, InputEmbeddingDead) and isinstance(dead, RanksCollapsed)
+    assert str(dead).startswith("embeddings.word has a bond with no rank alive (ranks [1, 0, 2])")
+    assert "comera.controller.embedding_tau" in str(dead)
+    collapsed = _why_dead({"layers": {"embeddings.word": {"kind": "TTEmbedding", "ranks": [0, 0, 0]}}, "size": 0})
+    assert type(collapsed) is RanksCollapsed
+    assert _why_dead({"layers": {}, "size": 0}) is None  # a dense model: no rank to collapse

@@ -44,13 +44,14 @@ def param_groups(model: nn.Module, lr: LrConfig) -> list[dict[str, Any]]:
     for p in model.parameters():
         if p.requires_grad:
             params[roles.get(id(p), "dense")].append(p)
-    settings = {
-        "cores": (lr.cores, lr.weight_decay),
-        "gates": (lr.gates, 0.0),
-        "dense": (lr.dense, lr.weight_decay),
-    }
+    settings = role_settings(lr)
     return [
         {"name": role, "params": params[role], "lr": settings[role][0], "weight_decay": settings[role][1]}
         for role in ROLES
         if params[role]
     ]
+
+
+def role_settings(lr: LrConfig) -> dict[str, tuple[float, float]]:
+    """``role -> (lr, weight_decay)`` of the param group of each of ROLES (gates never decay)."""
+    return {"cores": (lr.cores, lr.weight_decay), "gates": (lr.gates, 0.0), "dense": (lr.dense, lr.weight_decay)}

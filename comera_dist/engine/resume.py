@@ -20,10 +20,13 @@ import deepspeed.comm as dist
 import numpy as np
 import torch
 
+from comera_dist.compression.groups import role_settings
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
+from comera_dist.engine.hooks import PenaltyHook
+from comera_dist.engine.model_factory import set_thresholds
 from comera_dist.engine.packing import packed_roles, packing_layout
 from comera_dist.engine.prune import load_full_state, model_at_shapes, restore_optimizer_state
 
@@ -144,12 +147,39 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
         sched = session.engine.lr_scheduler
         if sched is not None and hasattr(sched, "last_batch_iteration"):
             sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
+    _apply_run_settings(session)
     state = client["comera"]
     session.controller.load_state_dict(state["controller"])
     session.steps_done = state["steps_done"]
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
     return dict(elastic.rank_entry(client["clients"], rank), step=state["step"], checkpoint_dir=path)
+
+
+def _apply_run_settings(session: TrainSession) -> None:
+    """This run's config over what the load brought back: every TT layer's gate threshold (``comera.controller.tau``,
+    ``embedding_tau``: a buffer of the state dict, so the load restored the writing run's) and, without an LR
+    scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restored the writing run's
+    groups; a scheduler sets the lrs from this run's config at the loaded position, and an elastic resume builds
+    its groups from it). Changing them on resume is how a run recovers from a collapse, as its message says; each
+    change is logged on rank 0. Every rank does the same."""
+    cfg = session.cfg.comera
+    taus: dict[tuple[float, float], list[str]] = {}
+    for name, move in set_thresholds(session.module, cfg.controller).items():
+        taus.setdefault(move, []).append(name)
+    if taus:
+        session.penalty = PenaltyHook(session.module)  # it keeps each layer's tau
+    changed = [f"tau {old:g} -> {new:g} ({names[0] if len(names) == 1 else f'{len(names)} layers'})"
+               for (old, new), names in taus.items()]
+    if session.engine.lr_scheduler is None:
+        settings = role_settings(cfg.lr)
+        for group in session.engine.optimizer.param_groups:
+            for key, value in zip(("lr", "weight_decay"), settings.get(group.get("name"), ())):
+                if group[key] != value:
+                    changed.append(f"{group['name']} {key} {group[key]:g} -> {value:g}")
+                    group[key] = value
+    if changed and dist.get_rank() == 0:
+        log.info("resume: this run's config changes the checkpoint's %s", ", ".join(changed))
 
 
 def _load_shards(session: TrainSession, path: Path, precision_known: bool) -> dict[str, Any]:

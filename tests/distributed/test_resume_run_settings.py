@@ -1,0 +1,83 @@
+"""A resume applies its own config's gate thresholds and, without an LR scheduler, its param groups' lrs.
+
+Both came back from the checkpoint before: a layer's ``tau`` is a state-dict buffer, and DeepSpeed's load restores
+the writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did
+not). So a run that collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the
+collapse message says to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world
+size and stage) and through the consolidated state (another stage); a resume with the writing config changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from dist_helpers import run_ranks
+from engine_cases import batch, tiny_config
+
+WRITTEN = ["comera.controller.tau=0.5", "comera.lr.gates=0.05"]
+RESUMED = ["comera.controller.tau=0.3", "comera.controller.embedding_tau=0.2", "comera.lr.gates=0.02",
+           "comera.lr.weight_decay=0.01"]
+
+
+def _config(outdir: str, overrides: list[str], zero_stage: int):
+    from comera_dist.config import apply_overrides, build_run_config, resolved_dict
+
+    return build_run_config(apply_overrides(resolved_dict(tiny_config(outdir, zero_stage=zero_stage)), overrides))
+
+
+def _settings(session) -> dict:
+    from comera_dist.compression.walk import tensorized_modules
+
+    return {"tau": {name: round(float(layer.tau), 6) for name, layer in tensorized_modules(session.module)},
+            "penalty_tau": sorted({round(ref.tau, 6) for ref in session.penalty.gates}),
+            "groups": {g["name"]: (g["lr"], g["weight_decay"]) for g in session.engine.optimizer.param_groups}}
+
+
+def _run(rank: int, world_size: int, outdir: str) -> dict:
+    from comera_dist.engine.distributed import init_distributed
+    from comera_dist.engine.model_factory import build_run_model
+    from comera_dist.engine.session import TrainSession
+
+    init_distributed(60)
+    out = {}
+    cfg = _config(outdir, WRITTEN, 1)
+    s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
+    s.train_step([batch(1, rank)])
+    out["written"] = _settings(s)
+    s.save(1)
+    s.close()
+    for name, overrides, stage in (("same", WRITTEN, 1), ("changed", RESUMED, 1), ("changed_elastic", RESUMED, 2)):
+        cfg = _config(outdir, overrides, stage)
+        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
+        s.resume("auto")
+        out[name] = _settings(s)
+        out[name]["loss"] = s.train_step([batch(2, rank)]).task_loss  # the resumed session trains
+        s.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run-settings")
+    return run_ranks(_run, tmp / "w", str(tmp / "run"))
+
+
+def test_a_resume_with_the_writing_config_changes_nothing(results):
+    for out in results:
+        assert set(out["written"]["tau"].values()) == {0.5} and out["written"]["penalty_tau"] == [0.5]
+        assert out["written"]["groups"]["gates"] == (0.05, 0.0)
+        assert {k: v for k, v in out["same"].items() if k != "loss"} == out["written"]
+
+
+@pytest.mark.parametrize("case", ["changed", "changed_elastic"])
+def test_a_resume_takes_its_own_thresholds_and_lrs(results, case):
+    for out in results:
+        got = out[case]
+        assert got["tau"].pop("embeddings.word") == 0.2
+        assert set(got["tau"].values()) == {0.3}, got["tau"]
+        assert got["penalty_tau"] == [0.2, 0.3]  # R's surviving set uses them too
+        assert got["groups"] == {"cores": (1e-2, 0.01), "gates": (0.02, 0.0), "dense": (1e-2, 0.01)}
+    loss = results[0][case]["loss"]
+    assert math.isfinite(loss) and results[1][case]["loss"] == loss  # the global loss, on both ranks

@@ -183,8 +183,8 @@ def _check_alive(session: TrainSession, report: dict[str, Any]) -> None:
     if dead is None:
         return
     if not session.gates_finite():
-        log.error("rank gates read dead because they are not finite (NaN/inf), not because the penalty pruned them; "
-                  "the non-finite steps that follow stop the run")
+        log.error("ranks read dead because rank gates are not finite (NaN/inf), not because the penalty pruned "
+                  "them; the non-finite steps that follow stop the run")
         return
     raise dead
 

@@ -1,6 +1,7 @@
 """``TrainSession.gates_finite`` on 2 real ranks: one NaN gate entry is seen by every rank, at ZeRO 1 (packed, the
 gates replicated) and at ZeRO 3, where the entry lives in one rank's partition and only the gathered gate shows it.
-The trainer asks it when S reads 0, to tell non-finite gates from a collapse of the ranks (``trainer._check_alive``)."""
+The trainer asks it when S reads 0 or an embedding bond reads dead, to tell non-finite gates from a collapse of the
+ranks (``trainer._check_alive``)."""
 
 from __future__ import annotations
 

@@ -143,6 +143,19 @@ class RankController:
         self.state.size_at_switch = int(global_size)
         self.state.target_size = self.cfg.target_ratio * global_size
 
+    def retarget(self) -> tuple[float, float] | None:
+        """S* again from this controller's ``target_ratio`` and the state's S at the switch: a resume whose config
+        has another ratio than the run that switched. ``(old, new)`` when S* moved; None when it did not (the early
+        stage, or the same ratio)."""
+        s = self.state
+        if s.stage != "late" or s.size_at_switch is None:
+            return None
+        new = self.cfg.target_ratio * s.size_at_switch
+        if new == s.target_size:
+            return None
+        old, s.target_size = s.target_size, new
+        return old, new
+
     def decide_lambda(self, global_loss: float, global_size: int) -> int:
         """lambda = 1[(L - L*)/L < (S - S*)/S]; only meaningful in the late stage."""
         _check_global(global_loss, global_size)

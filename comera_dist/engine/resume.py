@@ -150,6 +150,10 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     _apply_run_settings(session)
     state = client["comera"]
     session.controller.load_state_dict(state["controller"])
+    moved = session.controller.retarget()
+    if moved and rank == 0:
+        log.info("resume: comera.controller.target_ratio %g moves the late stage's target size S* %g -> %g",
+                 session.cfg.comera.controller.target_ratio, *moved)
     session.steps_done = state["steps_done"]
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
@@ -157,7 +161,8 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
 
 def _apply_run_settings(session: TrainSession) -> None:
-    """This run's config over what the load brought back: every TT layer's gate threshold (``comera.controller.tau``,
+    """This run's config over what the load brought back (the controller's S* follows its ``target_ratio`` too,
+    ``RankController.retarget``): every TT layer's gate threshold (``comera.controller.tau``,
     ``embedding_tau``: a buffer of the state dict, so the load restored the writing run's) and, without an LR
     scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restored the writing run's
     groups; a scheduler sets the lrs from this run's config at the loaded position, and an elastic resume builds

@@ -2,7 +2,7 @@
 
 Both came back from the checkpoint before: a layer's ``tau`` is a state-dict buffer, and DeepSpeed's load restores
 the writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did
-not). So a run that collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the
+not), and the late stage's target size S* was the writing run's ``target_ratio`` times S at the switch. So a run that collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the
 collapse message says to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world
 size and stage) and through the consolidated state (another stage); a resume with the writing config changes
 nothing.
@@ -16,9 +16,10 @@ import pytest
 from dist_helpers import run_ranks
 from engine_cases import batch, tiny_config
 
-WRITTEN = ["comera.controller.tau=0.5", "comera.lr.gates=0.05"]
-RESUMED = ["comera.controller.tau=0.3", "comera.controller.embedding_tau=0.2", "comera.lr.gates=0.02",
-           "comera.lr.weight_decay=0.01"]
+WRITTEN = ["comera.controller.tau=0.5", "comera.lr.gates=0.05", "comera.controller.late_stage_step=1",
+           "comera.controller.target_ratio=0.5"]
+RESUMED = [*WRITTEN[:-1], "comera.controller.tau=0.3", "comera.controller.embedding_tau=0.2", "comera.lr.gates=0.02",
+           "comera.lr.weight_decay=0.01", "comera.controller.target_ratio=0.25"]
 
 
 def _config(outdir: str, overrides: list[str], zero_stage: int):
@@ -32,7 +33,8 @@ def _settings(session) -> dict:
 
     return {"tau": {name: round(float(layer.tau), 6) for name, layer in tensorized_modules(session.module)},
             "penalty_tau": sorted({round(ref.tau, 6) for ref in session.penalty.gates}),
-            "groups": {g["name"]: (g["lr"], g["weight_decay"]) for g in session.engine.optimizer.param_groups}}
+            "groups": {g["name"]: (g["lr"], g["weight_decay"]) for g in session.engine.optimizer.param_groups},
+            "switch": (session.controller.state.size_at_switch, session.controller.state.target_size)}
 
 
 def _run(rank: int, world_size: int, outdir: str) -> dict:
@@ -79,5 +81,7 @@ def test_a_resume_takes_its_own_thresholds_and_lrs(results, case):
         assert set(got["tau"].values()) == {0.3}, got["tau"]
         assert got["penalty_tau"] == [0.2, 0.3]  # R's surviving set uses them too
         assert got["groups"] == {"cores": (1e-2, 0.01), "gates": (0.02, 0.0), "dense": (1e-2, 0.01)}
+        size = out["written"]["switch"][0]  # S at the switch (step 1), S* from the resuming ratio
+        assert out["written"]["switch"] == (size, 0.5 * size) and got["switch"] == (size, 0.25 * size)
     loss = results[0][case]["loss"]
     assert math.isfinite(loss) and results[1][case]["loss"] == loss  # the global loss, on both ranks

@@ -123,6 +123,17 @@ def test_state_dict_round_trip_and_lambda_switch_count():
     assert a.item() == b.item() and other.state.lam_switches == 3
 
 
+def test_a_resume_with_another_target_ratio_moves_s_star_from_the_size_at_the_switch():
+    ctl = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.5))
+    assert ctl.retarget() is None  # the early stage has no S*
+    ctl.advance(0, global_loss=4.0, global_size=1000)
+    assert ctl.retarget() is None and ctl.state.target_size == 500.0  # the ratio it switched with
+    resumed = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.2))
+    resumed.load_state_dict(ctl.state_dict())
+    assert resumed.retarget() == (500.0, 200.0) and resumed.state.target_size == 200.0
+    assert resumed.state.size_at_switch == 1000 and resumed.retarget() is None
+
+
 def test_bad_state_and_bad_globals_are_clear_errors():
     ctl = RankController(ControllerConfig(late_stage_step=0))
     with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):

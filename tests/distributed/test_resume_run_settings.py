@@ -4,8 +4,8 @@ Both came back from the checkpoint before: a layer's ``tau`` is a state-dict buf
 the writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did
 not), and the late stage's target size S* was the writing run's ``target_ratio`` times S at the switch. So a run that collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the
 collapse message says to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world
-size and stage) and through the consolidated state (another stage); a resume with the writing config changes
-nothing.
+size and stage) and through the consolidated state (ZeRO 2, and ZeRO 3, whose rank penalty is the hook's and reads
+its taus); a resume with the writing config changes nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _run(rank: int, world_size: int, outdir: str) -> dict:
     out["written"] = _settings(s)
     s.save(1)
     s.close()
-    for name, overrides, stage in (("same", WRITTEN, 1), ("changed", RESUMED, 1), ("changed_elastic", RESUMED, 2)):
+    for name, overrides, stage in (("same", WRITTEN, 1), ("changed", RESUMED, 1), ("changed_elastic", RESUMED, 2),
+                                   ("changed_zero3", RESUMED, 3)):
         cfg = _config(outdir, overrides, stage)
         s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
         s.resume("auto")
@@ -73,7 +74,7 @@ def test_a_resume_with_the_writing_config_changes_nothing(results):
         assert {k: v for k, v in out["same"].items() if k != "loss"} == out["written"]
 
 
-@pytest.mark.parametrize("case", ["changed", "changed_elastic"])
+@pytest.mark.parametrize("case", ["changed", "changed_elastic", "changed_zero3"])
 def test_a_resume_takes_its_own_thresholds_and_lrs(results, case):
     for out in results:
         got = out[case]

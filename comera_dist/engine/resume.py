@@ -161,13 +161,13 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
 
 def _apply_run_settings(session: TrainSession) -> None:
-    """This run's config over what the load brought back (the controller's S* follows its ``target_ratio`` too,
-    ``RankController.retarget``): every TT layer's gate threshold (``comera.controller.tau``,
-    ``embedding_tau``: a buffer of the state dict, so the load restored the writing run's) and, without an LR
-    scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restored the writing run's
-    groups; a scheduler sets the lrs from this run's config at the loaded position, and an elastic resume builds
-    its groups from it). Changing them on resume is how a run recovers from a collapse, as its message says; each
-    change is logged on rank 0. Every rank does the same."""
+    """What this run's config decides, over what the load restored: every TT layer's gate threshold
+    (``comera.controller.tau``, ``embedding_tau``: a state-dict buffer, so the load brought back the writing run's)
+    and, without an LR scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restores
+    the writing run's groups; a scheduler re-sets the lrs from this run's config at the loaded position, and an
+    elastic resume builds its groups from it). The caller moves S* with the config's ``target_ratio``
+    (``RankController.retarget``). Changing these on resume is how a run recovers from a collapse, as its message
+    says; what changed is logged once (rank 0). Every rank does the same."""
     cfg = session.cfg.comera
     taus: dict[tuple[float, float], list[str]] = {}
     for name, move in set_thresholds(session.module, cfg.controller).items():

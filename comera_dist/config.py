@@ -94,8 +94,9 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 
 
 def check_cross_sections(cfg: RunConfig) -> None:
-    """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, the metrics' scrape
-    waits vs the process-group timeout, and the tensorization vs the model dimensions."""
+    """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, an embedding threshold
+    without a TT embedding, the metrics' scrape waits vs the process-group timeout, and the tensorization vs the
+    model dimensions."""
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
@@ -109,6 +110,11 @@ def check_cross_sections(cfg: RunConfig) -> None:
         raise ConfigError(f"train.compile_optimizer=true needs train.compile=true and deepspeed.zero_stage 1 or 2 "
                           f"(got train.compile={str(cfg.train.compile).lower()}, deepspeed.zero_stage="
                           f"{cfg.deepspeed.zero_stage}): it compiles DeepSpeed's ZeRO 1-2 optimizer step")
+    if cfg.comera.controller.embedding_tau is not None and not (cfg.comera.enabled and cfg.comera.tensorize.embedding):
+        raise ConfigError(f"comera.controller.embedding_tau={cfg.comera.controller.embedding_tau} would change "
+                          f"nothing: the model has no TT embedding (comera.enabled="
+                          f"{str(cfg.comera.enabled).lower()}, comera.tensorize.embedding="
+                          f"{str(cfg.comera.tensorize.embedding).lower()})")
     for key in ("first_scrape_timeout_s", "final_scrape_timeout_s"):
         wait = getattr(cfg.metrics, key)
         if cfg.metrics.prometheus and wait >= cfg.train.process_group_timeout_s:

@@ -73,6 +73,14 @@ def test_compile_is_refused_at_zero3(tmp_path):
     assert load_run_config(_write(tmp_path), ["train.compile=true", "deepspeed.zero_stage=2"]).train.compile
 
 
+@pytest.mark.parametrize("without", ["comera.enabled=false", "comera.tensorize.embedding=false"])
+def test_an_embedding_threshold_without_a_tt_embedding_is_refused(tmp_path, without):
+    with pytest.raises(ConfigError, match=rf"comera\.controller\.embedding_tau=0\.2 would change nothing: the model "
+                                          rf"has no TT embedding \(.*{without.replace('.', '[.]')}"):
+        load_run_config(_write(tmp_path), ["comera.controller.embedding_tau=0.2", without])
+    assert load_run_config(_write(tmp_path), ["comera.controller.embedding_tau=0.2"]).comera.controller.embedding_tau == 0.2
+
+
 @pytest.mark.parametrize(("sets", "got"), [(["deepspeed.zero_stage=1"], "train.compile=false, deepspeed.zero_stage=1"),
                                            (["train.compile=true", "deepspeed.zero_stage=0"],
                                             "train.compile=true, deepspeed.zero_stage=0")])

@@ -357,7 +357,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 break
             if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
                 _checkpoint(session, data, step, guard, metrics, reason="schedule")
-    except RanksCollapsed as e:  # on every rank at the same step: S is global
+    except RanksCollapsed as e:  # on every rank at the same step: S and the ranks are global
         log.error("step %d: stopping without a checkpoint: %s. The latest checkpoint %s is kept", step, e,
                   latest_complete(session.checkpoint_root))
         status = EXIT_COLLAPSED

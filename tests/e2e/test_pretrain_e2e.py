@@ -320,19 +320,26 @@ def test_a_warmup_run_that_prunes_logs_no_scheduler_warning(tmp_path):
     assert all(abs(v - math.log(512)) > 1e-3 for v in losses[3:]), losses
 
 
-def test_a_dead_input_embedding_stops_the_run_without_a_checkpoint(tmp_path):
+def test_a_dead_input_embedding_stops_the_run_and_a_resume_with_its_own_threshold_recovers(tmp_path):
     """The aggressive gates alone kill a bond of the TTM embedding at step 2: every token maps to zero, and a dead
     gate gets no gradient. The run stops there (exit 4, the collapse's code), names the layer and the setting to
-    change, and writes no checkpoint of the dead model."""
+    change, and writes no checkpoint of the dead model. Resumed from its step-1 checkpoint with that setting (the
+    message's advice; the checkpoint's own tau buffers would win without ``resume._apply_run_settings``), the run
+    trains to its end."""
     out = tmp_path / "run"
-    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}",
-               *AGGRESSIVE_GATES, "--set", "metrics.prometheus=false")
+    run = ("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}", *AGGRESSIVE_GATES,
+           "--set", "metrics.prometheus=false", "--set", "train.checkpoint_every=1")
+    p = comera(*run)
     assert p.returncode == 4, p.stderr[-4000:]
     assert "step 2: stopping without a checkpoint: embeddings.word has a bond with no rank alive" in p.stderr, \
         p.stderr[-3000:]
     assert "comera.controller.embedding_tau" in p.stderr and "step 3/6" not in p.stderr
-    assert not (out / "checkpoints").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step00000001"  # none of the dead model
     assert (out / "report.md").is_file()  # the report of what ran is still written
+    p = comera(*run, "--set", "comera.controller.embedding_tau=0.3")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "resumed at step 1" in p.stderr and "tau 0.97 -> 0.3 (embeddings.word)" in p.stderr, p.stderr[-3000:]
+    assert "no rank alive" not in p.stderr and len(_train_losses(p.stderr)) == 5  # steps 2-6
 
 
 def test_compiled_run_recompiles_after_a_physical_prune_and_matches_eager(tmp_path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
 from comera_dist.engine.faults import NonFiniteInjector, parse_steps
 from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
-from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
 from comera_dist.engine.trainer import NonFiniteGuard, _due, _eta, _why_dead
 
 

@@ -1,11 +1,12 @@
-"""A resume applies its own config's gate thresholds and, without an LR scheduler, its param groups' lrs.
+"""A resume applies its own config's gate thresholds, its target ratio and, without an LR scheduler, its lrs.
 
-Both came back from the checkpoint before: a layer's ``tau`` is a state-dict buffer, and DeepSpeed's load restores
-the writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did
-not), and the late stage's target size S* was the writing run's ``target_ratio`` times S at the switch. So a run that collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the
-collapse message says to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world
-size and stage) and through the consolidated state (ZeRO 2, and ZeRO 3, whose rank penalty is the hook's and reads
-its taus); a resume with the writing config changes nothing.
+All came back from the checkpoint before: a layer's ``tau`` is a state-dict buffer, DeepSpeed's load restores the
+writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did not),
+and the late stage's target size S* was the writing run's ``target_ratio`` times S at the switch. So a run that
+collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the collapse message says
+to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world size and stage) and
+through the consolidated state (ZeRO 2, and ZeRO 3, whose rank penalty is the hook's and reads its taus); a resume
+with the writing config changes nothing.
 """
 
 from __future__ import annotations

@@ -61,10 +61,11 @@ class ControllerState:
 
 
 class RanksCollapsed(RuntimeError):
-    """Every gate of every TT layer is at or below tau: the model size S is 0, and training cannot recover."""
+    """Every gate of every TT layer is at or below tau: the model size S is 0, and training cannot recover
+    (``message``: a subclass's own account of a model that cannot train on)."""
 
-    def __init__(self) -> None:
-        super().__init__(
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or
             "every rank of every TT layer is dead (each gate at or below comera.controller.tau: model size S = 0). "
             "The compressed layers now output only their biases, and a dead gate gets no gradient, so no rank can "
             "come back. The rank penalty pushed every gate under tau: lower comera.controller.gamma or "
@@ -77,8 +78,8 @@ class InputEmbeddingDead(RanksCollapsed):
     no gradient, so the bond cannot come back."""
 
     def __init__(self, layer: str, ranks: list[int]) -> None:
-        RuntimeError.__init__(
-            self, f"{layer} has a bond with no rank alive (ranks {ranks}): the embedding maps every token to zero, so "
+        super().__init__(
+            f"{layer} has a bond with no rank alive (ranks {ranks}): the embedding maps every token to zero, so "
             "the model no longer sees its input, and a dead gate gets no gradient, so no rank can come back. Set "
             "comera.controller.embedding_tau below comera.controller.tau, or lower comera.controller.gamma or "
             "comera.lr.gates, then resume from a checkpoint written before this, or start over")

@@ -147,13 +147,9 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
         sched = session.engine.lr_scheduler
         if sched is not None and hasattr(sched, "last_batch_iteration"):
             sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
-    _apply_run_settings(session)
     state = client["comera"]
     session.controller.load_state_dict(state["controller"])
-    moved = session.controller.retarget()
-    if moved and rank == 0:
-        log.info("resume: comera.controller.target_ratio %g moves the late stage's target size S* %g -> %g",
-                 session.cfg.comera.controller.target_ratio, *moved)
+    _apply_run_settings(session)
     session.steps_done = state["steps_done"]
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
@@ -165,9 +161,10 @@ def _apply_run_settings(session: TrainSession) -> None:
     (``comera.controller.tau``, ``embedding_tau``: a state-dict buffer, so the load brought back the writing run's)
     and, without an LR scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restores
     the writing run's groups; a scheduler re-sets the lrs from this run's config at the loaded position, and an
-    elastic resume builds its groups from it). The caller moves S* with the config's ``target_ratio``
-    (``RankController.retarget``). Changing these on resume is how a run recovers from a collapse, as its message
-    says; what changed is logged once (rank 0). Every rank does the same."""
+    elastic resume builds its groups from it), and the late stage's S* from the config's ``target_ratio``
+    (``RankController.retarget``; call it after the controller's state is loaded). Changing these on resume is how
+    a run recovers from a collapse, as its message says; what changed is logged once (rank 0). Every rank does the
+    same."""
     cfg = session.cfg.comera
     taus: dict[tuple[float, float], list[str]] = {}
     for name, move in set_thresholds(session.module, cfg.controller).items():
@@ -183,6 +180,10 @@ def _apply_run_settings(session: TrainSession) -> None:
                 if group[key] != value:
                     changed.append(f"{group['name']} {key} {group[key]:g} -> {value:g}")
                     group[key] = value
+    moved = session.controller.retarget()
+    if moved:
+        changed.append(f"late-stage target size S* {moved[0]:g} -> {moved[1]:g} (target_ratio "
+                       f"{cfg.controller.target_ratio:g})")
     if changed and dist.get_rank() == 0:
         log.info("resume: this run's config changes the checkpoint's %s", ", ".join(changed))
 

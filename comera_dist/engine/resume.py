@@ -158,8 +158,8 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
 
 def _apply_run_settings(session: TrainSession) -> None:
     """What this run's config decides, over what the load restored: every TT layer's gate threshold
-    (``comera.controller.tau``, ``embedding_tau``: a state-dict buffer, so the load brought back the writing run's)
-    and, without an LR scheduler, each param group's lr and weight decay (``comera.lr``: DeepSpeed's load restores
+    (``comera.controller.tau``, ``embedding_tau``: a state-dict buffer, so the load brought back the writing run's),
+    each param group's weight decay and, without an LR scheduler, its lr (``comera.lr``: DeepSpeed's load restores
     the writing run's groups; a scheduler re-sets the lrs from this run's config at the loaded position, and an
     elastic resume builds its groups from it), and the late stage's S* from the config's ``target_ratio``
     (``RankController.retarget``; call it after the controller's state is loaded). Changing these on resume is how
@@ -173,13 +173,13 @@ def _apply_run_settings(session: TrainSession) -> None:
         session.penalty = PenaltyHook(session.module)  # it keeps each layer's tau
     changed = [f"tau {old:g} -> {new:g} ({names[0] if len(names) == 1 else f'{len(names)} layers'})"
                for (old, new), names in taus.items()]
-    if session.engine.lr_scheduler is None:
-        settings = role_settings(cfg.lr)
-        for group in session.engine.optimizer.param_groups:
-            for key, value in zip(("lr", "weight_decay"), settings.get(group.get("name"), ())):
-                if group[key] != value:
-                    changed.append(f"{group['name']} {key} {group[key]:g} -> {value:g}")
-                    group[key] = value
+    keys = ("lr", "weight_decay") if session.engine.lr_scheduler is None else ("weight_decay",)
+    settings = role_settings(cfg.lr)
+    for group in session.engine.optimizer.param_groups:
+        for key, value in zip(("lr", "weight_decay"), settings.get(group.get("name"), ())):
+            if key in keys and group[key] != value:
+                changed.append(f"{group['name']} {key} {group[key]:g} -> {value:g}")
+                group[key] = value
     moved = session.controller.retarget()
     if moved:
         changed.append(f"late-stage target size S* {moved[0]:g} -> {moved[1]:g} (target_ratio "

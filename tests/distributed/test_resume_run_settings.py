@@ -1,4 +1,5 @@
-"""A resume applies its own config's gate thresholds, its target ratio and, without an LR scheduler, its lrs.
+"""A resume applies its own config's gate thresholds, its target ratio, its weight decay and, without an LR
+scheduler, its lrs.
 
 All came back from the checkpoint before: a layer's ``tau`` is a state-dict buffer, DeepSpeed's load restores the
 writing run's param groups (a scheduler then re-sets the lrs from the resuming config, a constant schedule did not),
@@ -6,7 +7,8 @@ and the late stage's target size S* was the writing run's ``target_ratio`` times
 collapsed and was resumed with a lower ``comera.controller.tau`` or ``comera.lr.gates``, as the collapse message says
 to, went on with the old values. Two real ranks, through DeepSpeed's own load (same world size and stage) and
 through the consolidated state (ZeRO 2, and ZeRO 3, whose rank penalty is the hook's and reads its taus); a resume
-with the writing config changes nothing.
+with the writing config changes nothing. With a scheduler (``warmup_decay``, the default) the weight decay is the
+resuming config's through either load, as the elastic one always had it; DeepSpeed's own kept the writing run's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ WRITTEN = ["comera.controller.tau=0.5", "comera.lr.gates=0.05", "comera.controll
            "comera.controller.target_ratio=0.5"]
 RESUMED = [*WRITTEN[:-1], "comera.controller.tau=0.3", "comera.controller.embedding_tau=0.2", "comera.lr.gates=0.02",
            "comera.lr.weight_decay=0.01", "comera.controller.target_ratio=0.25"]
+SCHEDULED = ["deepspeed.scheduler.kind=warmup_decay", "train.steps=10"]
 
 
 def _config(outdir: str, overrides: list[str], zero_stage: int):
@@ -59,6 +62,19 @@ def _run(rank: int, world_size: int, outdir: str) -> dict:
         out[name] = _settings(s)
         out[name]["loss"] = s.train_step([batch(2, rank)]).task_loss  # the resumed session trains
         s.close()
+    scheduled = outdir + "-scheduled"
+    cfg = _config(scheduled, SCHEDULED, 1)
+    s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
+    for i in range(1, 6):
+        s.train_step([batch(i, rank)])
+    s.save(5)
+    s.close()
+    for name, stage in (("scheduled", 1), ("scheduled_elastic", 2)):
+        cfg = _config(scheduled, [*SCHEDULED, "comera.lr.weight_decay=0.05"], stage)
+        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
+        s.resume("auto")
+        out[name] = {g["name"]: (g["lr"], g["weight_decay"]) for g in s.engine.optimizer.param_groups}
+        s.close()
     return out
 
 
@@ -87,3 +103,11 @@ def test_a_resume_takes_its_own_thresholds_and_lrs(results, case):
         assert out["written"]["switch"] == (size, 0.5 * size) and got["switch"] == (size, 0.25 * size)
     loss = results[0][case]["loss"]
     assert math.isfinite(loss) and results[1][case]["loss"] == loss  # the global loss, on both ranks
+
+
+def test_a_scheduled_resume_takes_its_own_weight_decay_through_either_load(results):
+    for out in results:
+        same, elastic = out["scheduled"], out["scheduled_elastic"]
+        assert {name: wd for name, (_, wd) in same.items()} == {"cores": 0.05, "gates": 0.0, "dense": 0.05}, same
+        assert same == elastic  # the lrs too: the scheduler's at step 5, from the same config
+        assert same["cores"][0] < 1e-2, same  # past the warmup, decaying: the scheduler set the lrs

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from comera_dist.config import load_run_config, resolved_dict
 from comera_dist.configbase import ConfigError
@@ -65,6 +68,31 @@ def test_impossible_factorization(tmp_path):
 def test_seq_len_beyond_positions(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.seq_len=32 exceeds model\.max_positions=16"):
         load_run_config(_write(tmp_path), ["data.seq_len=32"])
+    with pytest.raises(ConfigError, match=r"data\.seq_len=17 exceeds model\.max_positions=16"):
+        load_run_config(_write(tmp_path), ["data.seq_len=17"])
+    assert load_run_config(_write(tmp_path), ["data.seq_len=16"]).data.seq_len == 16  # every position used
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("train.steps=0", "train.steps must be >= 1, got 0"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
+    ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1, got 0"),
+    ("train.log_every=0", "train.log_every must be >= 1, got 0"),
+    ("train.checkpoint_every=-1", "train.checkpoint_every must be >= 0, got -1"),
+    ("train.process_group_timeout_s=0", "train.process_group_timeout_s must be > 0, got 0"),
+    ("deepspeed.scheduler.warmup_steps=-1", "scheduler.warmup_steps must be >= 0, got -1"),
+    ("deepspeed.scheduler.warmup_min_ratio=1.5", "scheduler.warmup_min_ratio must be in [0, 1], got 1.5"),
+    ("deepspeed.scheduler.min_ratio=-0.1", "scheduler.min_ratio must be in [0, 1], got -0.1"),
+    ("deepspeed.adam_betas=[0.9, 1.0]", "deepspeed.adam_betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    ("deepspeed.adam_eps=0", "deepspeed.adam_eps must be > 0, got 0"),
+    ("deepspeed.gradient_clipping=-1", "deepspeed.gradient_clipping must be >= 0, got -1"),
+    ("deepspeed.stage3_param_persistence_threshold=-1",
+     "deepspeed.stage3_param_persistence_threshold must be >= 0, got -1"),
+    ("deepspeed.micro_batch_size_per_gpu=0", "deepspeed.micro_batch_size_per_gpu must be >= 1 or null, got 0"),
+])
+def test_out_of_range_values_name_their_key(tmp_path, setting, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_run_config(_write(tmp_path), [setting])
 
 
 def test_compile_is_refused_at_zero3(tmp_path):
@@ -111,3 +139,29 @@ def test_deepspeed_json_is_generated():
     assert ds["scheduler"]["params"]["warmup_max_lr"] == [1e-4, 1e-3]
     assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
     assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}  # no device syncs per step
+
+
+@pytest.mark.parametrize("kind", ["warmup_decay", "warmup_cosine"])
+def test_a_schedule_without_warmup_gives_deepspeed_one_step(kind):
+    """DeepSpeed's warmup schedulers refuse ``warmup_num_steps`` 0 (``WarmupCosineLR`` raises), so the default
+    ``warmup_steps: 0`` becomes 1; a longer warmup is passed as configured."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    from comera_dist.engine.config import SchedulerConfig
+
+    def params(warmup: int) -> dict:
+        section = DeepSpeedSection(micro_batch_size_per_gpu=1, scheduler=SchedulerConfig(kind=kind, warmup_steps=warmup))
+        return to_deepspeed_dict(section, 1, total_steps=5, group_lrs=[1e-3])["scheduler"]["params"]
+
+    assert params(0)["warmup_num_steps"] == 1 and params(3)["warmup_num_steps"] == 3
+    with pytest.raises(ValueError):  # why: the raw 0 would stop the run at its engine's creation
+        WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1e-3), total_num_steps=5,
+                       warmup_num_steps=0)
+
+
+def test_the_warmup_starts_at_each_groups_own_fraction():
+    from comera_dist.engine.config import SchedulerConfig
+
+    section = DeepSpeedSection(micro_batch_size_per_gpu=1, scheduler=SchedulerConfig(warmup_steps=2, warmup_min_ratio=0.1))
+    params = to_deepspeed_dict(section, 1, total_steps=5, group_lrs=[1e-4, 1e-3])["scheduler"]["params"]
+    assert params["warmup_min_lr"] == pytest.approx([1e-5, 1e-4]) and params["warmup_max_lr"] == [1e-4, 1e-3]

@@ -140,8 +140,17 @@ def test_bad_state_and_bad_globals_are_clear_errors():
         ctl.load_state_dict({**ctl.state_dict(), "bogus": 1})
     with pytest.raises(ValueError, match=r"stage must be 'early' or 'late', got 'middle'"):
         ctl.load_state_dict({**ctl.state_dict(), "stage": "middle"})
+    late = RankController(ControllerConfig(late_stage_step=0))
+    late.advance(0, global_loss=2.0, global_size=10)  # switches: a late state with its target size
+    assert late.state_dict()["stage"] == "late"
+    with pytest.raises(ValueError, match="late stage without target_size"):
+        ctl.load_state_dict({**late.state_dict(), "target_size": None})
+    with pytest.raises(ValueError, match=r"missing keys \['lam_switches'\]"):
+        ctl.load_state_dict({k: v for k, v in late.state_dict().items() if k != "lam_switches"})
     with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got nan"):
         ctl.advance(0, global_loss=float("nan"), global_size=10)
+    with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got inf"):
+        ctl.advance(0, global_loss=float("inf"), global_size=10)
     with pytest.raises(ValueError, match=r"global_size must be > 0, got -1"):
         ctl.advance(0, global_loss=1.0, global_size=-1)
     with pytest.raises(RanksCollapsed, match=r"every rank of every TT layer is dead .*comera\.controller\.gamma"):

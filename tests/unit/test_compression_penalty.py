@@ -68,6 +68,8 @@ def test_bad_input_is_a_clear_error():
         penalty_from_gates([torch.ones(3), torch.ones(2, 2)], 1e-2)
     with pytest.raises(ValueError, match="2 gate vectors but 1 taus"):
         penalty_from_gates([torch.ones(3), torch.ones(2)], [1e-2])
+    with pytest.raises(ValueError, match="1 gate vectors but 2 taus"):  # not cut short by a zip
+        penalty_from_gates([torch.ones(3)], [1e-2, 0.2])
 
 
 def test_penalty_costs_a_fixed_handful_of_ops_whatever_the_gate_lengths():

@@ -76,6 +76,8 @@ def test_make_plan_keeps_gates_above_tau_with_min_rank_floor():
     }
     assert plan.bond_dims == {"emb": [4, 4], "up": [4, 4, 4], "down": [3, 3, 3, 3, 3], "side": [3, 3, 3]}
     assert make_plan(net).kept["side"] == {1: [1]}  # min_rank 1: the single largest
+    # a floor above every bond's size (4 at most) keeps each whole, `side`'s dead bond too, not a top-k past its end
+    assert make_plan(net, min_rank=5).is_empty()
     assert make_plan(Net(seed=0)).is_empty()
     with pytest.raises(ValueError, match="min_rank must be >= 1, got 0"):
         make_plan(net, min_rank=0)
@@ -194,6 +196,8 @@ def test_bad_plans_are_clear_errors():
         PruningPlan(kept={"up": {0: [0, 4]}}, bond_dims=dims)
     with pytest.raises(ValueError, match=r"ascending and unique, got \[2, 1\]"):
         PruningPlan(kept={"up": {0: [2, 1]}}, bond_dims=dims)
+    with pytest.raises(ValueError, match=r"ascending and unique, got \[1, 1\]"):  # would duplicate a rank
+        PruningPlan(kept={"up": {0: [1, 1]}}, bond_dims=dims)
     with pytest.raises(ValueError, match=r"bond 0: kept indices are empty"):
         PruningPlan(kept={"up": {0: []}}, bond_dims=dims)
     with pytest.raises(ValueError, match=r"expected keys \['bond_dims', 'kept'\], got \['kept'\]"):

@@ -52,6 +52,17 @@ def test_report_rows_totals_and_ratios():
     assert rep["size"] == 100 and rep["physical_size"] == 114
     assert rep["compression_ratio_tensorized"] == pytest.approx(108 / 100)
     assert rep["compression_ratio_model"] == pytest.approx((18 + 108) / (18 + 100))
+    _kill(m.emb.gates[0], [1, 3])  # (lin's FLOPs are its dense order's, 96 at any rank: the embedding's move)
+    assert compression_report(m)["layers"]["emb"]["flops_per_token"] == 24 == m.emb.flops_per_token(active=False) // 2
+
+
+def test_a_model_of_tt_layers_only_has_the_tensorized_ratio():
+    """No leftover parameter (a bias-free TT layer alone): the whole-model ratio is dense over active, not inf."""
+    m = nn.Module()
+    m.lin = TTLinear(8, 6, in_modes=[2, 4], out_modes=[3, 2], ranks=[1, 2, 3, 2, 1], bias=False)
+    rep = compression_report(m)
+    assert (rep["leftover_params"], rep["size"]) == (0, 50)
+    assert rep["compression_ratio_model"] == rep["compression_ratio_tensorized"] == pytest.approx(48 / 50)
 
 
 def test_paper_six_encoder_sizes():

@@ -115,6 +115,7 @@ def pretrain(args: argparse.Namespace) -> int:
     A training job records Slurm's SIGUSR1 from its first line, before the seconds of imports (torch,
     DeepSpeed) that precede ``train()``: one that arrives then stops the job at its first step with a
     checkpoint, instead of killing the rank or being lost."""
+    _check_modes(args)
     if args.check_config:
         return _check_config(args)
     if args.dry_run:
@@ -132,6 +133,20 @@ def pretrain(args: argparse.Namespace) -> int:
         stop.close()
     leave_distributed()
     return status
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """``--json`` and ``--world-size`` shape a dry run's output: without ``--dry-run`` they would be dropped
+    while a run trains, or a check passes that the run's world size fails."""
+    from comera_dist.engine.errors import InputError
+
+    given = [flag for flag, value in (("--json", args.json), ("--world-size", args.world_size is not None)) if value]
+    if given and not args.dry_run:
+        raise InputError(f"{' and '.join(given)}: only with --dry-run (they shape the dry run's summary; a run "
+                         "takes its world size from its launcher)")
+    if args.dry_run and args.check_config:
+        raise InputError("--dry-run and --check-config are two checks: give one (--dry-run --world-size N also "
+                         "checks the batch arithmetic)")
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -175,8 +190,9 @@ def _checked_config(args: argparse.Namespace, world_size: int | None = None):
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    """``--set`` overrides, and ``--resume`` as ``train.resume``."""
-    return list(args.overrides) + ([f"train.resume={args.resume}"] if args.resume is not None else [])
+    """``--set`` overrides, and ``--resume`` as ``train.resume``: quoted, so a path is taken as written (as YAML,
+    ``#1`` would be a comment and ``2024`` a number)."""
+    return list(args.overrides) + ([f"train.resume={json.dumps(args.resume)}"] if args.resume is not None else [])
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -217,8 +233,8 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from comera_dist.engine.errors import InputError
     from comera_dist.kernels.dispatch import SettingError
 
-    return (ConfigError, InputError, SettingError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError)
+    return (ConfigError, InputError, SettingError, FileNotFoundError, FileExistsError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
 
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

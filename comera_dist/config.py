@@ -135,7 +135,8 @@ def check_pretrainable(cfg: RunConfig) -> None:
     """``comera pretrain`` trains a masked LM (``bert_mlm`` on ``mlm`` data) or a causal LM (``gpt`` on ``causal``
     data): a classifier has no pretraining loss, and a mismatched pair crashed at the first step (a GPT given
     MLM batches) or trained nothing useful (an encoder asked to copy its unmasked input). ``--dry-run`` and the
-    benchmarks build any arch."""
+    benchmarks build any arch. Also what the run would refuse at its start, before any rank: a model vocabulary
+    below the configured tokenizer's, and an output or cache directory that is a file (or under one)."""
     arch, objective = cfg.model.arch, cfg.data.objective
     if arch not in PRETRAIN_OBJECTIVES:
         raise ConfigError(f"model.arch={arch} is not pretrained by comera pretrain (a classifier: the paper's "
@@ -144,6 +145,25 @@ def check_pretrainable(cfg: RunConfig) -> None:
     if objective != PRETRAIN_OBJECTIVES[arch]:
         raise ConfigError(f"data.objective={objective} does not train model.arch={arch}: set data.objective="
                           f"{PRETRAIN_OBJECTIVES[arch]}")
+    from comera_dist.data.errors import DataError
+    from comera_dist.data.prepare import check_compat
+
+    try:  # the run checks it again with the tokenizer it builds; the configured vocabulary bounds it already
+        check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for key, path in (("train.output_dir", Path(cfg.train.output_dir)), ("data.cache_dir", cfg.data.resolved_cache_dir())):
+        _check_directory_path(key, path)
+
+
+def _check_directory_path(key: str, path: Path) -> None:
+    """``path`` is a directory or can become one: its nearest existing ancestor (or itself) is a directory. A run
+    whose output directory is a file failed at the first write, on every rank, with a traceback."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                raise ConfigError(f"{key}={path}: {at} is a file, not a directory")
+            return
 
 
 def layer_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -136,6 +137,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         kt, vt = args or (Any, Any)
         return {_coerce(kt, k, where): _coerce(vt, v, _join(where, k)) for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string: take what is a number
+            value = _number_or(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {type(value).__name__} ({value!r})")
         return float(value)
@@ -148,3 +151,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} ({value!r})")
         return value
     return value
+
+
+def _number_or(text: str) -> float | str:
+    """``text`` as a float when it is a plain decimal number (``1e-3``, ``-2E5``), else ``text`` unchanged;
+    ``nan``, ``inf`` and the like stay strings (refused by the type check)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text

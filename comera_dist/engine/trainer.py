@@ -41,6 +41,7 @@ from comera_dist.engine.model_factory import build_run_model
 from comera_dist.engine.run_data import RunData, build_run_data, resume_tokenizer_dir
 from comera_dist.engine.session import NonFiniteGradientsApplied, TrainSession
 from comera_dist.engine.signals import START_SIGNALS, STOP_SIGNALS, StopRequest
+from comera_dist.kernels.dispatch import check_device
 from comera_dist.metrics import Metrics, build_metrics
 
 log = logging.getLogger(__name__)
@@ -280,6 +281,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
+    check_device(accelerator_device())  # COMERA_KERNELS=triton where its kernels cannot run
     resume = _requeued(cfg, resume, info.rank)
     # rank 0 builds corpus + tokenizer (or keeps a resumed run's), the others wait; checks compat
     data = build_run_data(cfg, info, tokenizer_dir=resume_tokenizer_dir(Path(cfg.train.output_dir), resume))

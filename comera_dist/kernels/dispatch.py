@@ -55,6 +55,19 @@ def check_environment() -> None:
     _ffn_setting_checked()
 
 
+def check_device(device: torch.device) -> None:
+    """``SettingError`` when ``COMERA_KERNELS=triton`` asks for the Triton kernels where they cannot run: on a
+    device other than CUDA without the interpreter. Called where the run's device is known (its start), not by
+    ``check_environment``, which also runs on a login node without the job's GPUs."""
+    if _requested() == "triton" and device.type != "cuda":
+        from comera_dist.kernels.launch import INTERPRET
+
+        if not INTERPRET:
+            raise SettingError(f"COMERA_KERNELS=triton runs the Triton kernels, which need CUDA; this run's device "
+                               f"is {device.type}: set TRITON_INTERPRET=1 to interpret them (slow), or "
+                               "COMERA_KERNELS=auto")
+
+
 def _requested() -> str:
     if _override is not None:
         return _override

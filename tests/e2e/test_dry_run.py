@@ -163,6 +163,54 @@ def test_check_config_refuses_what_pretrain_would_in_one_line(args, needle, caps
     assert not out_dir.exists()
 
 
+def test_check_config_refuses_a_vocabulary_below_the_tokenizers(capsys, tmp_path):
+    """The run refused it at its start, after a queue wait; the configured vocabulary bounds it already."""
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", "model.vocab_size=256", "--set",
+                   f"train.output_dir={tmp_path / 'run'}", "--check-config"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert "model vocab_size=256 is smaller than data.tokenizer.vocab_size=512" in err
+
+
+@pytest.mark.parametrize("key, under", [("train.output_dir", "sub"), ("train.output_dir", ""), ("data.cache_dir", "")])
+@pytest.mark.parametrize("mode", ["--check-config", "--dry-run"])
+def test_a_directory_that_is_a_file_is_one_line_exit_2(key, under, mode, capsys, tmp_path):
+    """It was a FileExistsError traceback (exit 1) at the run's first write, on every rank."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    path = afile / under if under else afile
+    sets = ["--set", f"{key}={path}"] + ([] if key == "train.output_dir" else ["--set", f"train.output_dir={tmp_path}"])
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", *sets, mode])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and f"{key}={path}: {afile} is a file, not a directory" in err, err
+    assert afile.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--json"], "--json: only with --dry-run"),
+    (["--world-size", "3"], "--world-size: only with --dry-run"),
+    (["--json", "--world-size", "3", "--check-config"], "--json and --world-size: only with --dry-run"),
+    (["--dry-run", "--check-config"], "--dry-run and --check-config are two checks"),
+])
+def test_dry_run_options_without_a_dry_run_are_refused(args, needle, capsys, tmp_path):
+    """``--json`` or ``--world-size`` without ``--dry-run`` started a training run (or a check passed that the job's
+    world size fails), the option dropped."""
+    out_dir = tmp_path / "run"
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out_dir}", *args])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and needle in err and err.count("\n") == 1, err
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("path", ["/tmp/ck #1", "2024", "run: 3", "auto"])
+def test_resume_takes_its_path_as_written(path):
+    """``--resume`` went into the config as YAML: ``#1`` was a comment and ``2024`` a number."""
+    from comera_dist.config import load_run_config
+
+    args = cli.build_parser().parse_args(["pretrain", "--config", "configs/tiny-cpu.yaml", "--resume", path])
+    assert load_run_config(args.config, cli._overrides(args)).train.resume == path
+
+
 def test_check_config_leaves_the_batch_arithmetic_to_the_world_size(capsys, tmp_path, monkeypatch):
     """``slurm/pretrain.sh --dry-run`` outside an allocation: the config is checked, the batch is not (the node
     count is sbatch's, still to come), where a dry run at the default world size refuses it."""

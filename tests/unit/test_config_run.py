@@ -165,3 +165,14 @@ def test_the_warmup_starts_at_each_groups_own_fraction():
     section = DeepSpeedSection(micro_batch_size_per_gpu=1, scheduler=SchedulerConfig(warmup_steps=2, warmup_min_ratio=0.1))
     params = to_deepspeed_dict(section, 1, total_steps=5, group_lrs=[1e-4, 1e-3])["scheduler"]["params"]
     assert params["warmup_min_lr"] == pytest.approx([1e-5, 1e-4]) and params["warmup_max_lr"] == [1e-4, 1e-3]
+
+
+def test_a_float_written_as_yaml_reads_a_string_is_taken(tmp_path):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; a float key takes it. Words stay refused, ``nan`` too."""
+    lr = load_run_config(_write(tmp_path), ["comera.lr.cores=1e-3", "comera.lr.gates=2E-2"]).comera.lr
+    assert (lr.cores, lr.gates) == (1e-3, 0.02)
+    for word in ("fast", "nan", "inf"):
+        with pytest.raises(ConfigError, match=rf"comera\.lr\.cores: expected a number, got str \('{word}'\)"):
+            load_run_config(_write(tmp_path), [f"comera.lr.cores={word}"])
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer, got str \('1e3'\)"):
+        load_run_config(_write(tmp_path), ["train.steps=1e3"])  # an integer key is not a float's

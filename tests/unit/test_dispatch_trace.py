@@ -74,3 +74,21 @@ def test_comera_kernels_is_read_when_tracing(counts, monkeypatch, order):
         torch.testing.assert_close(counts["compile"]()(*args), tt_linear_lr(*args))
         assert counts["graphs"] == i + 1
         assert counts["kernel"] - before == (1 if name == "triton" else 0), f"COMERA_KERNELS={name} traced the other path"
+
+
+def test_triton_kernels_asked_for_where_they_cannot_run_are_a_setting_error(monkeypatch):
+    """``COMERA_KERNELS=triton`` on a CPU run without the interpreter crashed at the first lookup (a traceback
+    from the kernel launch); the trainer checks it at its start, where the device is known."""
+    from comera_dist.kernels.dispatch import SettingError, check_device
+
+    monkeypatch.setenv("COMERA_KERNELS", "triton")
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    with pytest.raises(SettingError, match="COMERA_KERNELS=triton runs the Triton kernels, which need CUDA; this "
+                                           "run's device is cpu: set TRITON_INTERPRET=1"):
+        check_device(torch.device("cpu"))
+    check_device(torch.device("cuda"))  # where they run
+    monkeypatch.setattr(launch, "INTERPRET", True)
+    check_device(torch.device("cpu"))  # interpreted
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setenv("COMERA_KERNELS", "auto")
+    check_device(torch.device("cpu"))  # auto picks the torch path there

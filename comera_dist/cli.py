@@ -39,7 +39,8 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                         "(e.g. --set train.steps=20 --set deepspeed.zero_stage=3); repeatable")
     p.add_argument("--resume", default=None, metavar="auto|none|PATH",
                    help="auto: continue from the latest complete checkpoint in train.output_dir if any; "
-                        "none: start fresh; PATH: that checkpoint. Default: the config's train.resume. A requeued "
+                        "none: start fresh; PATH: that checkpoint, or the newest that verifies under a run directory "
+                        "or its checkpoints/ directory. Default: the config's train.resume. A requeued "
                         "Slurm job (SLURM_RESTART_COUNT > 0) whose newest checkpoint it wrote itself resumes "
                         "auto, whatever this says")
     p.add_argument("--dry-run", action="store_true",

@@ -377,14 +377,15 @@ def choose(spec: str, root: Path) -> Path | None:
     ``none`` -> None. ``auto`` -> the newest checkpoint under ``root`` that verifies on every rank
     (each skipped one is logged with its reasons); None when there is none at all, an error when
     there are some but none verifies. A path -> that checkpoint (or, for a
-    checkpoints root, ``auto`` inside it); a path that fails verification raises ``CheckpointError``
-    naming the file.
+    checkpoints root or the run directory above one, ``auto`` inside it); a path that fails verification
+    raises ``CheckpointError`` naming the file.
     """
     if spec == "none":
         return None
     path = Path(spec)
-    if spec != "auto" and path.is_dir() and not is_complete(path) and candidates_auto(path):
-        spec, root = "auto", path  # a checkpoints root was given
+    given = _given_root(path) if spec != "auto" else None
+    if given is not None:
+        spec, root = "auto", given
     if spec == "auto":
         tried = candidates_auto(root)
         for candidate in tried:
@@ -408,6 +409,14 @@ def choose(spec: str, root: Path) -> Path | None:
     return path
 
 
+def _given_root(path: Path) -> Path | None:
+    """The checkpoints root a resume path names, when it is not one checkpoint: a checkpoints root, or the run
+    directory above one (``train.output_dir``, which ``comera evaluate`` and ``export`` take too); else None."""
+    if not path.is_dir() or is_complete(path):
+        return None
+    return next((root for root in (path, path / "checkpoints") if candidates_auto(root)), None)
+
+
 def _reinstate(replaced: Path) -> Path:
     """Put a verified copy a re-save replaced back in place of the one that failed (collective); its final path.
 
@@ -429,8 +438,9 @@ def resolve(spec: str, root: Path) -> Path | None:
     if spec == "auto":
         return latest_complete(root)
     path = Path(spec)
-    if path.is_dir() and not is_complete(path) and latest_complete(path) is not None:
-        return latest_complete(path)  # a checkpoints root was given
+    given = _given_root(path)
+    if given is not None:
+        return latest_complete(given)
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not is_complete(path):

@@ -112,6 +112,10 @@ def test_resolve_and_choose_take_a_checkpoints_root_or_one_checkpoint(engine, tm
     assert ckpt.resolve(str(root), elsewhere) == first and ckpt.choose(str(root), elsewhere) == first
     assert ckpt.resolve(str(second), elsewhere) == second and ckpt.choose(str(second), elsewhere) == second
     assert ckpt.resolve("auto", elsewhere) is None and ckpt.choose("auto", elsewhere) is None
+    run = root.parent  # the run directory (train.output_dir), as `comera evaluate` takes it; it was "COMPLETE: missing"
+    assert ckpt.resolve(str(run), elsewhere) == first and ckpt.choose(str(run), elsewhere) == first
+    with pytest.raises(ckpt.CheckpointError, match="COMPLETE"):  # a directory holding no checkpoint is still refused
+        ckpt.choose(str(tmp_path), elsewhere)
 
 
 def test_retention_removes_a_checkpoint_whose_earlier_delete_left_its_renamed_copy(engine, tmp_path, caplog):

@@ -388,6 +388,7 @@ def choose(spec: str, root: Path) -> Path | None:
         spec, root = "auto", given
     if spec == "auto":
         tried = candidates_auto(root)
+        _log_incomplete(root)
         for candidate in tried:
             problems = _agree(check(candidate))
             if not problems:
@@ -407,6 +408,16 @@ def choose(spec: str, root: Path) -> Path | None:
     if not (path / META).is_file():
         raise CheckpointError(f"resume: {path} is not a complete checkpoint (no {META})")
     return path
+
+
+def _log_incomplete(root: Path) -> None:
+    """Name each checkpoint directory under ``root`` that ``auto`` passes over for lacking its markers (rank 0)."""
+    if not root.is_dir() or dist.get_rank() != 0:
+        return
+    for path in sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and not is_complete(p)),
+                       key=step_of):
+        missing = [name for name in (MARKER, META) if not (path / name).is_file()]
+        log.warning("resume auto: skipping checkpoint %s, it is incomplete (no %s)", path, " or ".join(missing))
 
 
 def _given_root(path: Path) -> Path | None:

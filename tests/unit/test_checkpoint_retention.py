@@ -144,3 +144,14 @@ def test_a_checkpoint_retention_cannot_remove_is_kept_with_a_warning(engine, tmp
     path = _save(engine, tmp_path, 4, keep=1)  # published and verified: the save succeeds
     assert path.name == ckpt.tag_for(4) and _steps(tmp_path) == [2, 4]
     assert f"retention: could not remove {tmp_path / ckpt.tag_for(2)}" in caplog.text
+
+
+def test_auto_names_a_checkpoint_it_passes_over_for_lacking_its_marker(engine, tmp_path, caplog):
+    """The README's promise: a skipped incomplete checkpoint gets a log line (one with its COMPLETE marker removed
+    was passed over without a word)."""
+    first, second = _save(engine, tmp_path, 1), _save(engine, tmp_path, 2)
+    (second / ckpt.MARKER).unlink()
+    with caplog.at_level("WARNING", logger=ckpt.log.name):
+        assert ckpt.choose("auto", tmp_path) == first
+    assert f"resume auto: skipping checkpoint {second}, it is incomplete (no {ckpt.MARKER})" in caplog.text
+    assert str(first) not in caplog.text

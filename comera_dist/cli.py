@@ -21,13 +21,15 @@ PRETRAIN_HELP = "Pretrain a CoMERA (tensor-train, rank-adaptive) model with Deep
 EVALUATE_HELP = ("Loss and accuracy of a checkpoint on any local corpus: masked-LM for an MLM run, next-token for "
                  "a causal (GPT) run.")
 EXPORT_HELP = "Export a checkpoint: densified HF model, compact TT form, or one consolidated file."
-PRETRAIN_EPILOG = """exit status (every rank alike; slurm/pretrain.sh requeues a stopped job only after 0):
+PRETRAIN_EPILOG = """exit status (every rank alike; launch/torchrun.sh, launch/pretrain_local.sh and a Slurm job pass
+it on; slurm/pretrain.sh requeues a stopped job only after 0):
   0  done, or stopped by SIGUSR1/SIGTERM after a checkpoint (resume with --resume auto)
   2  bad input: the one-line message names the config key or file
   3  train.max_nonfinite_steps non-finite steps in a row (the last good state is checkpointed), or
      non-finite bf16 gradients applied with deepspeed.bf16_overflow_check=false (no new checkpoint)
-  4  every rank of every TT layer died (model size S = 0; no checkpoint of it): lower
-     comera.controller.gamma or comera.lr.gates"""
+  4  every rank of every TT layer died (model size S = 0), or a bond of the TT embedding did (it maps every
+     token to zero); no checkpoint of it: lower comera.controller.gamma or comera.lr.gates (for the embedding,
+     comera.controller.embedding_tau), then resume"""
 
 
 def _add_pretrain_args(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ export COMERA_CACHE=${COMERA_CACHE:-$WORK/cache}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # torchrun from the interpreter we check (the lent machine may have no torchrun on PATH)
-export TORCHRUN="$PYTHON -m torch.distributed.run"
+export TORCHRUN="$PYTHON launch/torchrun.py"  # torchrun, exiting with the failed rank's own status
 
 if [ "$MODE" = gpu ]; then
   export DS_ACCELERATOR=cuda TRITON_INTERPRET=0

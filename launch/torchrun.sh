@@ -5,7 +5,7 @@
 # env:   NPROC (processes per node, default: the node's GPUs, or 2 on CPU), NNODES (default 1), NODE_RANK
 #        (default 0), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
-#        TORCHRUN (default torchrun; e.g. "python3 -m torch.distributed.run" where no torchrun is on PATH)
+#        TORCHRUN (default "python3 launch/torchrun.py": torchrun, exiting with the failed rank's own status)
 # The trainer's options: comera pretrain --help.
 set -euo pipefail
 usage() { sed -n '2,9p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
@@ -23,7 +23,7 @@ NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || 
 # --max-restarts 0: a dead rank ends the job (torchrun then stops the other ranks) instead of
 # restarting it into a group whose peers are mid-collective; Slurm requeue handles restarts.
 # shellcheck disable=SC2206
-cmd=(${TORCHRUN:-torchrun} --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
+cmd=(${TORCHRUN:-python3 launch/torchrun.py} --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
      --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --max-restarts 0
      launch/train.py "$@")
 if [ "$DRY_RUN" = 1 ]; then echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0; fi

@@ -19,7 +19,7 @@ else
   LOCAL_ADDR=127.0.0.1
 fi
 trap '' USR1
-torchrun --local-addr "$LOCAL_ADDR" "$@" &
+python3 launch/torchrun.py --local-addr "$LOCAL_ADDR" "$@" &   # torchrun, exiting with the failed rank's status
 TORCHRUN_PID=$!
 stop() {
   echo "node_launch.sh[${SLURMD_NODENAME:-local}]: $1 -> USR1 to the trainers under torchrun $TORCHRUN_PID"

@@ -41,7 +41,7 @@ def test_unchecked_bf16_nonfinite_gradients_stop_the_run_without_a_checkpoint(jo
     job = jobs("torchrun", args, env, tmp_path / "job.log")
     rc = job.wait(timeout=240)
     log = job.text()
-    assert rc != 0 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3:\n{log[-4000:]}"
+    assert rc == 3 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3 (rc {rc}):\n{log[-4000:]}"
     assert "stopping without a checkpoint: step 3: the gradients were not finite" in log, log[-4000:]
     assert "deepspeed.bf16_overflow_check=false" in log and "step 4/" not in log
     assert checkpoint_tags(out) == [tag_for(2)]  # the corrupt state was never saved
@@ -59,7 +59,7 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     rc = job.wait(timeout=240)
     log = job.text()
     # Every rank exits 3; torchrun reports a failed job (exit 1) with the ranks' codes.
-    assert rc != 0 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3:\n{log[-4000:]}"
+    assert rc == 3 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3 (rc {rc}):\n{log[-4000:]}"
     assert "step 2: non-finite loss or gradients, step skipped (1 in a row, 1 in total)" in log, log[-4000:]
     assert "step 6: non-finite loss or gradients, step skipped (3 in a row, 4 in total)" in log, log[-4000:]
     assert "stopping: 3 consecutive non-finite steps" in log
@@ -93,7 +93,7 @@ def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(job
     job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
     rc = job.wait(timeout=240)
     log = job.text()
-    assert rc != 0 and re.search(r"exitcode\s*:\s*4", log), f"expected ranks to exit 4:\n{log[-4000:]}"
+    assert rc == 4 and re.search(r"exitcode\s*:\s*4", log), f"expected ranks to exit 4 (rc {rc}):\n{log[-4000:]}"
     stopped = re.search(r"step (\d+): stopping without a checkpoint: every rank of every TT layer is dead", log)
     assert stopped, log[-4000:]
     step = int(stopped.group(1))

@@ -41,9 +41,9 @@ def test_launch_scripts_dry_run_print_the_command():
     run = lambda *a: subprocess.run([*a], cwd=REPO, env=env, capture_output=True, text=True, check=False)
     p = run("launch/torchrun.sh", "--dry-run", "--config", TINY)
     assert p.returncode == 0
-    assert p.stdout.split() == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3",
-                                "--master-addr", "10.0.0.7", "--master-port", "29555", "--max-restarts", "0",
-                                "launch/train.py", "--config", TINY]
+    assert p.stdout.split() == ["python3", "launch/torchrun.py", "--nnodes", "2", "--node-rank", "1",
+                                "--nproc-per-node", "3", "--master-addr", "10.0.0.7", "--master-port", "29555",
+                                "--max-restarts", "0", "launch/train.py", "--config", TINY]
     p = run("launch/mpirun.sh", "--dry-run", "--config", TINY)
     assert p.returncode == 0 and " -np 3 " in p.stdout and "--allow-run-as-root --oversubscribe" in p.stdout
     assert " -x MASTER_ADDR " in p.stdout  # the user's address reaches remote ranks

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]
 PROGRAM = "tests/ops/programs/count_steps.py"
 
 
-def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.1, cpu_script: bool = False):
+def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.1, cpu_script: bool = False,
+            status: int = 0):
     """sbatch the GPU script with CPU overrides, or the CPU variant with only its log and program set."""
     log = tmp_path / "job.out"
     env = {"COMERA_TRAIN_SCRIPT": PROGRAM, "COMERA_RDZV_PORT": str(free_port_block(1))}
@@ -31,7 +32,8 @@ def _submit(cluster, tmp_path, *, steps: int, nodes: int = 1, step_s: float = 0.
         options = cpu_overrides(log, **env)
     script = REPO / ("slurm/pretrain-cpu.sh" if cpu_script else "slurm/pretrain.sh")
     job = cluster.sbatch(f"--nodes={nodes}", *options, script, "README.md",
-                         "--set", f"steps={steps}", "--set", f"out={tmp_path / 'run'}", "--set", f"step_s={step_s}")
+                         "--set", f"steps={steps}", "--set", f"out={tmp_path / 'run'}", "--set", f"step_s={step_s}",
+                         "--set", f"status={status}")
     return job, log
 
 
@@ -92,6 +94,14 @@ def test_one_node_job_completes_with_log_and_checkpoint(slurm_1node, tmp_path):
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), text
     assert "rank 0/2" in text and "rank 1/2" in text and "saved checkpoint at step 5 (done)" in text
     assert json.loads((tmp_path / "run/checkpoint.json").read_text()) == {"step": 5, "world": 2}
+
+
+def test_a_failed_runs_status_is_the_jobs(slurm_1node, tmp_path):
+    """The trainer's statuses (2 bad input, 3 non-finite, 4 collapsed) reach sacct's ExitCode through srun and the
+    node's torchrun (launch/torchrun.py; torchrun itself exits 1 for any failed worker)."""
+    job, log = _submit(slurm_1node, tmp_path, steps=2, status=4)
+    info = slurm_1node.wait(job, timeout=120)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "4:0", "0"), log.read_text()
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):

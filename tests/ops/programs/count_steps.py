@@ -6,6 +6,7 @@ auto) before and independently of launch/train.py. Each step all-reduces over
 gloo; on SIGUSR1/SIGTERM all ranks agree, rank 0 writes a checkpoint, exit 0.
 
 usage: count_steps.py --config FILE --resume auto|none [--set steps=N] [--set out=DIR] [--set step_s=S]
+                      [--set status=N]   (every rank's exit status at the end, as the trainer's 2, 3 or 4)
 """
 
 import argparse
@@ -65,7 +66,7 @@ def main() -> int:
     # signals every process of the step, and node_launch.sh relays it too) would kill the exiting rank.
     for s, handler in previous.items():
         signal.signal(s, handler)
-    return 0
+    return int(opts.get("status", 0))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
     out["dims"] = s.bond_dims()
     out["plans"] = [p.to_json() for p in s.plans]
     out["controller"] = s.controller.state_dict()
+    out["counters"] = (int(s.engine.global_steps), int(s.engine.global_samples))
     s.close()
     return out
 
@@ -149,6 +150,7 @@ def test_elastic_resume_continues_the_straight_run(runs, case):
                                torch.tensor([ref["loss"][s] for s in resumed]), rtol=1e-4, atol=1e-5)
     assert r["plans"] == ref["plans"] and len(r["plans"]) >= 1  # the pruning plan came along
     assert r["dims"] == ref["dims"] and r["dims"][LAYER] == [4, 2, 4]
+    assert r["counters"] == ref["counters"]  # DeepSpeed's step and sample counters came along
     assert r["controller"].keys() == ref["controller"].keys()
     for key, value in ref["controller"].items():  # stage, switch step, lambda, S*, ...
         assert r["controller"][key] == (pytest.approx(value, rel=1e-5) if isinstance(value, float) else value), key

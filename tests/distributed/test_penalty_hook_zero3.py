@@ -20,14 +20,15 @@ def _distinct_gates(session) -> list[torch.nn.Parameter]:
     """Every gate's fp32 master set to distinct values (a third dead, a few negative); returns the params."""
     from comera_dist.engine.hooks import full_shape, set_full
 
-    params = [ref.param for ref in session.penalty.gates]
+    params, values = [ref.param for ref in session.penalty.gates], []
     for i, p in enumerate(params):
         n = int(torch.Size(full_shape(p)).numel())
         value = 1.0 + 0.01 * torch.arange(n, dtype=torch.float32) + 0.1 * i
         value[::3] = 0.2 + 0.01 * i  # dead: below tau
         value[1::5] *= -1.0
         set_full(p, value.reshape(full_shape(p)), "fp32")  # DeepSpeed's full setter fails on 9 entries
-    return params
+        values.append(value)
+    return params, values
 
 
 def _check(rank: int, world_size: int, outdir: str) -> dict:
@@ -42,11 +43,12 @@ def _check(rank: int, world_size: int, outdir: str) -> dict:
     cfg = tiny_config(outdir, zero_stage=3)
     cfg.comera.tensorize.max_rank = 3  # 3 bonds of 3: 9-entry gate vectors, which 2 ranks split 5 + 4
     s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-    params = _distinct_gates(s)
+    params, intended = _distinct_gates(s)
     sizes = [int(torch.Size(full_shape(p)).numel()) for p in params]
 
     batched = full_fp32_all(params)
     one_by_one = [full_fp32(p) for p in params]
+    set_ok = all(torch.equal(a.reshape(-1), v) for a, v in zip(one_by_one, intended, strict=True))
     same_values = all(torch.equal(a, b) for a, b in zip(batched, one_by_one, strict=True))
 
     # one backward for real gradients, then the injection against the full-gradient arithmetic
@@ -62,13 +64,14 @@ def _check(rank: int, world_size: int, outdir: str) -> dict:
     errors = [float((a - (b + 0.7 * d.reshape(-1))).abs().max()) for a, b, d in zip(after, before, d_r, strict=True)]
     distinct_d_r = [int(torch.unique(d).numel()) for d in d_r]
     s.close()
-    return {"same_values": same_values, "sizes": sizes, "errors": errors, "distinct_d_r": distinct_d_r}
+    return {"set_ok": set_ok, "same_values": same_values, "sizes": sizes, "errors": errors, "distinct_d_r": distinct_d_r}
 
 
 def test_batched_gate_gather_and_local_injection_match_deepspeeds_full_api(tmp_path: Path) -> None:
     results = run_ranks(_check, tmp_path / "work", str(tmp_path / "run"))
     for r in results:
         assert any(n % 2 for n in r["sizes"]), r["sizes"]  # a vector that 2 ranks split unevenly
+        assert r["set_ok"], r  # set_full wrote each rank's own slice: DeepSpeed reads back the full value
         assert r["same_values"], r
         assert all(n >= 2 for n in r["distinct_d_r"]), r["distinct_d_r"]  # dR/dg differs inside each gate
         assert max(r["errors"]) < 1e-6, r["errors"]

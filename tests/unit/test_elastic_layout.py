@@ -76,3 +76,11 @@ def test_a_state_of_other_bond_sizes_is_refused_even_at_equal_element_counts():
     legacy = upgrade_layout(_older(_payload(src), src, 1))  # the pieces' shapes survive the upgrade as bond sizes
     with pytest.raises(ValueError, match=r"proj: the state's bond sizes \[2, 4, 4\] differ"):
         load_full_state(dst, full_state(legacy, torch.device("cpu")))
+
+
+def test_an_infinite_weight_is_reported_as_nonfinite():
+    from comera_dist.engine.elastic import nonfinite_entries
+
+    payload = {"params": {"u": torch.tensor([1.0, float("inf")]), "w": torch.tensor([float("-inf")])},
+               "moments": {}}
+    assert nonfinite_entries(payload) == ["u", "w"]

@@ -20,3 +20,9 @@ def test_inject_refuses_gates_that_zero3_does_not_partition():
     with pytest.raises(ValueError, match=r"not ZeRO-3 partitioned parameters; at ZeRO 0-2 the rank penalty "
                                          r"enters the loss"):
         hook.inject(torch.tensor(1.0), gates)
+
+
+def test_the_penalty_hook_thresholds_on_the_working_dtype():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(TTLinear(12, 16, num_cores=4, max_rank=4, generator=g)).to(torch.bfloat16)
+    assert PenaltyHook(model).working_dtype == torch.bfloat16

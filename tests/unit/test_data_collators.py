@@ -109,3 +109,20 @@ def test_collator_for_and_bad_input(tokenizer):
         collator_for("nsp", tokenizer)
     with pytest.raises(DataError, match="mlm_probability must be in"):
         mlm_collator(tokenizer, 0.0)
+
+
+def test_random_replacements_draw_every_ordinary_token_and_no_special_one(tokenizer):
+    ids = torch.randint(5, VOCAB, (256, 256), generator=torch.Generator().manual_seed(0))  # (B, L)
+    ids[:, 0], ids[:, -1] = 2, 3
+    out = mlm_collator(tokenizer, 0.5)(ids, torch.Generator().manual_seed(1))
+    sel = out["labels"] != IGNORE_INDEX
+    replaced = out["input_ids"][sel & (out["input_ids"] != ids) & (out["input_ids"] != 4)]
+    assert len(replaced) > 2000  # ~3,200 random replacements
+    assert set(replaced.tolist()) == set(range(5, VOCAB))  # uniform over the 195 ordinary ids, ends included
+
+
+def test_the_per_row_count_is_rounded_not_truncated(tokenizer):
+    ids = torch.randint(5, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    out = mlm_collator(tokenizer, 0.15)(ids, torch.Generator().manual_seed(2))
+    assert out["mlm_positions"].shape == (4, 2)  # round(0.15 * 12) = round(1.8) = 2
+    assert ((out["labels"] != IGNORE_INDEX).sum(1) == 2).all()

@@ -146,3 +146,25 @@ def test_eval_batches_shard_equally_and_repeat_masks():
     assert [b["labels"].shape for b in capped] == [(3, L), (3, L)]
     with pytest.raises(DataError, match="eval_batches: the evaluation set has 2 blocks, fewer than world_size=4"):
         next(eval_batches(_dataset(2), batch_size=1, rank=0, world_size=4, seed=0, collator=_noisy_collator))
+
+
+def test_drop_last_false_on_an_even_epoch_starts_the_next_epoch_without_a_wrapped_batch():
+    ld = _loader(_dataset(16), bs=4, drop_last=False)
+    assert ld.batches_per_epoch == 4
+    seen = [i for _ in range(4) for i in _block_ids(next(ld))]
+    assert sorted(seen) == list(range(16))
+    next(ld)
+    assert (ld.epoch, ld.position, ld.step) == (1, 4, 5)
+
+
+def test_drop_last_false_completes_the_last_batch_with_the_epochs_first_blocks():
+    ld = _loader(_dataset(10), bs=4, drop_last=False)
+    first, _, last = (_block_ids(next(ld)) for _ in range(3))
+    assert last[2:] == first[:2]  # the tail (2 blocks) plus the start of the same epoch's order
+
+
+def test_rank_r_takes_the_r_th_contiguous_slice_of_the_global_batch():
+    ds = _dataset(24)
+    whole = [_block_ids(next(_loader(ds, bs=6)))]
+    parts = [_block_ids(next(_loader(ds, rank=r, world=3, bs=2))) for r in range(3)]
+    assert parts == [whole[0][0:2], whole[0][2:4], whole[0][4:6]]

@@ -95,8 +95,8 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 
 def check_cross_sections(cfg: RunConfig) -> None:
     """Checks spanning sections: sequence length, ``train.compile`` vs the ZeRO stage, an embedding threshold
-    without a TT embedding, the metrics' scrape waits vs the process-group timeout, and the tensorization vs the
-    model dimensions."""
+    without a TT embedding, the metrics' scrape waits vs the process-group timeout, a prune floor that prunes
+    nothing, and the tensorization vs the model dimensions."""
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions="
                           f"{cfg.model.max_positions}")
@@ -124,7 +124,20 @@ def check_cross_sections(cfg: RunConfig) -> None:
                               f"{cfg.train.process_group_timeout_s}: the other ranks wait for rank 0 in a "
                               "collective meanwhile")
     if cfg.comera.enabled:
+        _check_prunable(cfg.comera)
         check_factorization(cfg.model, cfg.comera)
+
+
+def _check_prunable(comera: ComeraConfig) -> None:
+    """A bond keeps at least ``pruning.min_rank`` ranks (all of them when it has fewer), and has at most its kind's
+    ``max_rank``: a floor at or above every tensorized kind's cap makes the scheduled prunes slice nothing."""
+    t, p = comera.tensorize, comera.pruning
+    caps = {key: cap for key, cap, on in (("max_rank", t.max_rank, t.attention or t.ffn),
+                                          ("embedding_max_rank", t.embedding_max_rank, t.embedding)) if on}
+    if p.every and caps and p.min_rank >= max(caps.values()):
+        bounds = " and ".join(f"comera.tensorize.{key}={cap}" for key, cap in caps.items())
+        raise ConfigError(f"comera.pruning.min_rank={p.min_rank} would prune nothing: no bond has more ranks than "
+                          f"{bounds}, and each keeps min_rank of them; lower it, or set comera.pruning.every=0")
 
 
 PRETRAIN_OBJECTIVES = {"bert_mlm": "mlm", "gpt": "causal"}

@@ -48,6 +48,10 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from ``path``; duplicate keys and non-mapping roots are errors."""
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))
+        raise ConfigError(f"config {path} is a directory, not a YAML file"
+                          + (f"; it holds {', '.join(found)}" if found else ""))
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     with path.open(encoding="utf-8") as f:

@@ -96,6 +96,7 @@ def test_help_explains_every_option(args, capsys):
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--config", "configs/no-such.yaml"], "config file not found: configs/no-such.yaml"),
+    (["--config", "configs"], "config configs is a directory, not a YAML file; it holds codebert-tiny-cpu.yaml, "),
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"],
      "configs/tiny-cpu.yaml with --set train.stepz=3 train.output_dir="),
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),

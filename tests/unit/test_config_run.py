@@ -176,3 +176,19 @@ def test_a_float_written_as_yaml_reads_a_string_is_taken(tmp_path):
             load_run_config(_write(tmp_path), [f"comera.lr.cores={word}"])
     with pytest.raises(ConfigError, match=r"train\.steps: expected an integer, got str \('1e3'\)"):
         load_run_config(_write(tmp_path), ["train.steps=1e3"])  # an integer key is not a float's
+
+
+@pytest.mark.parametrize(("sets", "bounds"), [
+    ([], "comera.tensorize.max_rank=4 and comera.tensorize.embedding_max_rank=4"),
+    (["comera.tensorize.embedding=false"], "comera.tensorize.max_rank=4,"),
+    (["comera.tensorize.attention=false", "comera.tensorize.ffn=false"], "comera.tensorize.embedding_max_rank=4,")])
+def test_a_prune_floor_at_every_bonds_cap_is_refused(tmp_path, sets, bounds):
+    """A bond has at most its kind's max_rank ranks and keeps min_rank of them: prunes would slice nothing."""
+    caps = ["comera.tensorize.max_rank=4", "comera.tensorize.embedding_max_rank=4", "comera.pruning.every=5"]
+    with pytest.raises(ConfigError, match=rf"comera\.pruning\.min_rank=4 would prune nothing: no bond has more "
+                                          rf"ranks than {re.escape(bounds)}"):
+        load_run_config(_write(tmp_path), [*caps, *sets, "comera.pruning.min_rank=4"])
+    load_run_config(_write(tmp_path), [*caps, *sets, "comera.pruning.min_rank=3"])
+    load_run_config(_write(tmp_path), [*caps, *sets, "comera.pruning.min_rank=4", "comera.pruning.every=0"])
+    # one kind still prunable is enough: the embedding's cap above the floor
+    load_run_config(_write(tmp_path), [*caps, "comera.tensorize.embedding_max_rank=5", "comera.pruning.min_rank=4"])

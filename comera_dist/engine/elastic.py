@@ -105,14 +105,23 @@ def full_state(payload: dict[str, Any], device: torch.device) -> FullState:
 
 def restore_schedule(engine, payload: dict[str, Any]) -> None:
     """The LR schedule position and DeepSpeed's step/sample counters of ``payload`` into ``engine``."""
-    sched = payload["scheduler"]
-    if sched is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(sched)
-        # A fresh scheduler has written its *initial* lrs into the new param groups; re-apply the
-        # schedule at the saved position, or the next step would run at the warmup-start lr.
-        engine.lr_scheduler.step(sched["last_batch_iteration"])
     engine.global_steps = payload["global_steps"]
     engine.global_samples = payload["global_samples"]
+    place_schedule(engine, payload["scheduler"])
+
+
+def place_schedule(engine, saved: dict[str, Any] | None) -> None:
+    """Put ``engine``'s LR scheduler (if any) at the position of ``saved``, the writing run's scheduler state. A
+    fresh scheduler has written its *initial* lrs into the param groups: the schedule is re-applied there, or the
+    next step would run at the warmup-start lr. Without ``saved`` (the writing run had no scheduler,
+    ``deepspeed.scheduler.kind=constant``) the scheduler starts where it would be had it run from the start: at
+    the engine's optimizer step, whose counter is restored first."""
+    sched = engine.lr_scheduler
+    if sched is None or not hasattr(sched, "last_batch_iteration"):
+        return
+    if saved is not None:
+        sched.load_state_dict(saved)
+    sched.step(saved["last_batch_iteration"] if saved is not None else int(engine.global_steps) - 1)
 
 
 def rank_entry(entries: list[Any], rank: int) -> Any:

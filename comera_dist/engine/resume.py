@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import deepspeed.comm as dist
 import numpy as np
 import torch
+import yaml
 
 from comera_dist.compression.groups import role_settings
 from comera_dist.compression.pruning import PruningPlan
@@ -137,16 +138,21 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
         restore_optimizer_state(session.engine, elastic.full_state(payload, session.device),
                                 set_master=session.cfg.deepspeed.precision != "fp32")
         elastic.restore_schedule(session.engine, payload)
+        scheduled = payload["scheduler"] is not None
         client = payload["client"]
     else:
         if plans != session.plans:
             session._replace_engine(model_at_shapes(session.factory, plans))
             session.plans = plans
         ckpt.verify_weights_only(path)
-        client = _load_shards(session, path, "precision" in meta)
-        sched = session.engine.lr_scheduler
-        if sched is not None and hasattr(sched, "last_batch_iteration"):
-            sched.step(sched.last_batch_iteration)  # the lrs of the loaded position, whatever the groups held
+        scheduled = _saved_scheduler(path) != "constant"
+        client = _load_shards(session, path, "precision" in meta, scheduled)
+        sched = session.engine.lr_scheduler  # the lrs of the loaded position, whatever the groups held
+        elastic.place_schedule(session.engine, sched.state_dict() if scheduled and sched is not None else None)
+    if not scheduled and session.engine.lr_scheduler is not None and rank == 0:
+        log.info("resume: %s was written without an LR scheduler; this run's %s starts at optimizer step %d, where "
+                 "it would be had it run from the start", path, session.cfg.deepspeed.scheduler.kind,
+                 session.engine.global_steps)
     state = client["comera"]
     session.controller.load_state_dict(state["controller"])
     _apply_run_settings(session)
@@ -188,14 +194,28 @@ def _apply_run_settings(session: TrainSession) -> None:
         log.info("resume: this run's config changes the checkpoint's %s", ", ".join(changed))
 
 
-def _load_shards(session: TrainSession, path: Path, precision_known: bool) -> dict[str, Any]:
-    """DeepSpeed's ``load_checkpoint`` of ``path`` into the session's engine (returns the client state); a
+def _saved_scheduler(path: Path) -> str | None:
+    """The ``deepspeed.scheduler.kind`` of the run that wrote checkpoint ``path`` (its resolved config; None when
+    unrecorded). A checkpoint written without a scheduler holds no scheduler state, on which DeepSpeed's load of a
+    scheduled run failed with a ``TypeError``."""
+    try:
+        saved = yaml.safe_load((path / ckpt.CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    kind = saved.get("deepspeed", {}).get("scheduler", {}).get("kind") if isinstance(saved, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _load_shards(session: TrainSession, path: Path, precision_known: bool, scheduled: bool) -> dict[str, Any]:
+    """DeepSpeed's ``load_checkpoint`` of ``path`` into the session's engine (returns the client state; the LR
+    scheduler's state only when the writing run had one, ``scheduled``); a
     ``CheckpointError`` naming the file when it cannot. A missing shard of a checkpoint that predates the
     recorded ``precision`` most likely means the other precision wrote it (DeepSpeed names the optimizer
     shards ``bf16_zero_pp_rank_*`` under bf16 and ``zero_pp_rank_*`` under fp32): the error says so and
     what to do."""
     try:
-        loaded, client = session.engine.load_checkpoint(str(path.parent), tag=path.name)
+        loaded, client = session.engine.load_checkpoint(str(path.parent), tag=path.name,
+                                                        load_lr_scheduler_states=scheduled)
     except FileNotFoundError as e:
         precision = session.cfg.deepspeed.precision
         why = ("" if precision_known else

@@ -9,6 +9,7 @@ to, went on with the old values. Two real ranks, through DeepSpeed's own load (s
 through the consolidated state (ZeRO 2, and ZeRO 3, whose rank penalty is the hook's and reads its taus); a resume
 with the writing config changes nothing. With a scheduler (``warmup_decay``, the default) the weight decay is the
 resuming config's through either load, as the elastic one always had it; DeepSpeed's own kept the writing run's.
+A scheduler added on resume (the checkpoint written with ``constant``) starts at the run's step.
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ def _run(rank: int, world_size: int, outdir: str) -> dict:
         s.resume("auto")
         out[name] = {g["name"]: (g["lr"], g["weight_decay"]) for g in s.engine.optimizer.param_groups}
         s.close()
+    constant = outdir + "-constant"  # the same 5 steps without a scheduler, resumed with one
+    cfg = _config(constant, ["train.steps=10"], 1)
+    s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
+    for i in range(1, 6):
+        s.train_step([batch(i, rank)])
+    s.save(5)
+    s.close()
+    for name, stage in (("scheduler_added", 1), ("scheduler_added_elastic", 2)):
+        cfg = _config(constant, SCHEDULED, stage)
+        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
+        s.resume("auto")
+        out[name] = {g["name"]: g["lr"] for g in s.engine.optimizer.param_groups}
+        out[name]["loss"] = s.train_step([batch(6, rank)]).task_loss
+        s.close()
     return out
 
 
@@ -111,3 +126,15 @@ def test_a_scheduled_resume_takes_its_own_weight_decay_through_either_load(resul
         assert {name: wd for name, (_, wd) in same.items()} == {"cores": 0.05, "gates": 0.0, "dense": 0.05}, same
         assert same == elastic  # the lrs too: the scheduler's at step 5, from the same config
         assert same["cores"][0] < 1e-2, same  # past the warmup, decaying: the scheduler set the lrs
+
+
+@pytest.mark.parametrize("case", ["scheduler_added", "scheduler_added_elastic"])
+def test_a_scheduler_added_on_resume_starts_at_the_runs_step(results, case):
+    """A checkpoint written without a scheduler holds no scheduler state: DeepSpeed's own load failed on it with a
+    TypeError, and the elastic one started the schedule over at its warmup. Through either, the resuming run's
+    scheduler is where it would be had it run from the start: the lrs of the scheduled run at the same step."""
+    for out in results:
+        got = dict(out[case])
+        loss = got.pop("loss")
+        assert got == {name: lr for name, (lr, _) in out["scheduled"].items()}, (got, out["scheduled"])
+        assert got["cores"] < 1e-2 and math.isfinite(loss), got  # not the constant run's lr

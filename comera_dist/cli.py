@@ -160,6 +160,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 
     world_size = _world_size(args.world_size)
     cfg = _checked_config(args, world_size)
+    _print_warnings(cfg)
     summary = run_summary(cfg, world_size=world_size)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
@@ -174,10 +175,19 @@ def _check_config(args: argparse.Namespace) -> int:
     """``comera pretrain --check-config``: what ``pretrain`` checks before any rank starts, nothing more."""
     from comera_dist.config import check_pretrainable
 
-    check_pretrainable(_checked_config(args))  # the batch arithmetic waits for the world size
+    cfg = _checked_config(args)
+    check_pretrainable(cfg)  # the batch arithmetic waits for the world size
+    _print_warnings(cfg)
     print(f"comera pretrain: {args.config}: config accepted (the batch arithmetic is checked at the run's world "
           "size: --dry-run --world-size N)")
     return 0
+
+
+def _print_warnings(cfg) -> None:
+    from comera_dist.config import run_warnings
+
+    for line in run_warnings(cfg):
+        print(f"comera pretrain: warning: {line}", file=sys.stderr)
 
 
 def _checked_config(args: argparse.Namespace, world_size: int | None = None):

@@ -140,6 +140,18 @@ def _check_prunable(comera: ComeraConfig) -> None:
                           f"{bounds}, and each keeps min_rank of them; lower it, or set comera.pruning.every=0")
 
 
+def run_warnings(cfg: RunConfig) -> list[str]:
+    """What a run takes but most likely does not mean, one line each: a warmup longer than the run (a smoke run's
+    ``--set train.steps=20`` on a config with 1000 warmup steps) leaves the learning rate rising to the end. The
+    run goes on; ``--check-config``, ``--dry-run`` and the trainer's rank 0 say it."""
+    sched, steps = cfg.deepspeed.scheduler, cfg.train.steps
+    if sched.kind == "constant" or sched.warmup_steps <= steps:
+        return []
+    reached = sched.warmup_min_ratio + (1.0 - sched.warmup_min_ratio) * steps / sched.warmup_steps  # linear warmup
+    return [(f"deepspeed.scheduler.warmup_steps={sched.warmup_steps} exceeds train.steps={steps}: the learning rate "
+             f"rises for the whole run, to about {reached:.0%} of its peak, and never decays ({sched.kind})")]
+
+
 PRETRAIN_OBJECTIVES = {"bert_mlm": "mlm", "gpt": "causal"}
 """The ``data.objective`` each pretrainable ``model.arch`` learns."""
 

@@ -31,7 +31,7 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
-from comera_dist.config import RunConfig, check_pretrainable, check_world_size
+from comera_dist.config import RunConfig, check_pretrainable, check_world_size, run_warnings
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
@@ -281,6 +281,9 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     info = init_distributed(cfg.train.process_group_timeout_s)
     _setup_logging(info)
     check_world_size(cfg, info.world_size)  # batch arithmetic, now that the world size is known
+    if info.rank == 0:
+        for line in run_warnings(cfg):
+            log.warning(line)
     check_device(accelerator_device())  # COMERA_KERNELS=triton where its kernels cannot run
     resume = _requeued(cfg, resume, info.rank)
     # rank 0 builds corpus + tokenizer (or keeps a resumed run's), the others wait; checks compat
@@ -288,6 +291,8 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)
     guard = NonFiniteGuard(limit=cfg.train.max_nonfinite_steps)
     start, resumed_from = _restore(session, data, guard, resume)
+    if start >= cfg.train.steps:
+        return _nothing_to_train(cfg, session, data, start, resumed_from, info.rank)
     faults = NonFiniteInjector(info.rank)
     faults.attach(session.module)  # after the resume: loading a pruned checkpoint rebuilds the module
     maybe_compile(cfg, session)
@@ -371,6 +376,19 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
     tdist.barrier()
     session.close()
     return status
+
+
+def _nothing_to_train(cfg: RunConfig, session: TrainSession, data: RunData, start: int, resumed_from: Path | None,
+                      rank: int) -> int:
+    """A resume at or past ``train.steps`` (a finished run started again, or a requeue of one): done, exit 0, and
+    said, with nothing written (no metrics, report or checkpoint: the run's own stand)."""
+    if rank == 0:
+        log.warning("nothing to train: %s is at step %d and train.steps=%d; raise train.steps (--set "
+                    "train.steps=N) to train on", resumed_from, start, cfg.train.steps)
+    data.train.close()
+    tdist.barrier()
+    session.close()
+    return EXIT_OK
 
 
 def _due(step: int, every: int, last: int) -> bool:

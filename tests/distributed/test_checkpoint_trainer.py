@@ -90,7 +90,7 @@ def test_nonfinite_stop_keeps_previous_and_never_writes_poisoned_state(tmp_path,
     assert (root / "latest").read_text() == tag_for(7)
 
 
-def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int) -> dict:
+def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int, *sets: str) -> dict:
     """The job as users start it: ``comera pretrain`` (``cli.pretrain_main``) on this rank."""
     os.environ.update(COMERA_CACHE=CACHE, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false", COMERA_FAULT_NONFINITE_STEPS="")
@@ -102,7 +102,7 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int)
     overrides = [
         f"train.output_dir={outdir}", f"train.steps={steps}", "train.checkpoint_every=3", "train.eval_every=0",
         f"deepspeed.zero_stage={stage}", "deepspeed.train_batch_size=8", "deepspeed.micro_batch_size_per_gpu=4",
-        "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false"]
+        "deepspeed.gradient_accumulation_steps=null", "metrics.prometheus=false", "metrics.report=false", *sets]
     argv = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--resume", "auto"]
     status = pretrain_main(argv + [a for o in overrides for a in ("--set", o)])
     # a finished job leaves its process group itself, not to interpreter exit (engine.distributed.leave_distributed),
@@ -130,6 +130,21 @@ def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
     assert any("elastic resume from" in line and "2 rank(s) at ZeRO 1 -> 1 rank(s) at ZeRO 3" in line
                for line in log), log
     assert "resumed at step 3" in log and any(line.startswith("step 6/6") for line in log), log
+    assert (out / "checkpoints" / "latest").read_text() == tag_for(6)
+
+    # Started again with train.steps below the run's step: done, said so, nothing written. Its warmup outlasts
+    # the run, which rank 0 says at the start.
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    [done] = run_ranks(_resume_job, tmp_path / "w3", str(out), 4, 3, "deepspeed.scheduler.kind=warmup_decay",
+                       "deepspeed.scheduler.warmup_steps=5", world_size=1)
+    assert done["status"] == 0 and done["group_left"], done["log"][-10:]
+    ck6 = out / "checkpoints" / tag_for(6)
+    assert f"nothing to train: {ck6} is at step 6 and train.steps=4; raise train.steps (--set train.steps=N) to " \
+           "train on" in done["log"], done["log"]
+    assert any(line.startswith("deepspeed.scheduler.warmup_steps=5 exceeds train.steps=4: the learning rate rises for the "
+                               "whole run, to about 80% of its peak") for line in done["log"]), done["log"]
+    assert not any(line.startswith("step ") for line in done["log"]), done["log"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved
     assert (out / "checkpoints" / "latest").read_text() == tag_for(6)
 
 

@@ -223,3 +223,18 @@ def test_check_config_leaves_the_batch_arithmetic_to_the_world_size(capsys, tmp_
     assert "train_batch_size" in capsys.readouterr().err
     assert cli.main(["pretrain", *_SIZED_FOR_32, *out, "--dry-run", "--world-size", "32"]) == 0
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode", [["--check-config"], ["--dry-run", "--json"]])
+def test_a_warmup_longer_than_the_run_is_taken_and_said(mode, capsys, tmp_path):
+    """A smoke run's --set train.steps=20 on a config with 1000 warmup steps: accepted, with one warning line on
+    stderr (a dry run's JSON on stdout stays one object)."""
+    rc = cli.main(["pretrain", "--config", "configs/six-encoder-mlm.yaml", "--set", "train.steps=20", "--set",
+                   f"train.output_dir={tmp_path / 'run'}", *mode])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.err == ("comera pretrain: warning: deepspeed.scheduler.warmup_steps=1000 exceeds train.steps=20: "
+                            "the learning rate rises for the whole run, to about 2% of its peak, and never decays "
+                            "(warmup_decay)\n"), captured.err
+    if "--json" in mode:
+        assert json.loads(captured.out)["config"]["train"]["steps"] == 20

@@ -192,3 +192,15 @@ def test_a_prune_floor_at_every_bonds_cap_is_refused(tmp_path, sets, bounds):
     load_run_config(_write(tmp_path), [*caps, *sets, "comera.pruning.min_rank=4", "comera.pruning.every=0"])
     # one kind still prunable is enough: the embedding's cap above the floor
     load_run_config(_write(tmp_path), [*caps, "comera.tensorize.embedding_max_rank=5", "comera.pruning.min_rank=4"])
+
+
+@pytest.mark.parametrize(("sets", "warned"), [
+    (["train.steps=20", "deepspeed.scheduler.warmup_steps=30", "deepspeed.scheduler.warmup_min_ratio=0.1"],
+     ("deepspeed.scheduler.warmup_steps=30 exceeds train.steps=20: the learning rate rises for the whole run, to "
+     "about 70% of its peak, and never decays (warmup_decay)")),
+    (["train.steps=20", "deepspeed.scheduler.warmup_steps=20"], None),
+    (["train.steps=20", "deepspeed.scheduler.warmup_steps=30", "deepspeed.scheduler.kind=constant"], None)])
+def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, sets, warned):
+    from comera_dist.config import run_warnings
+
+    assert run_warnings(load_run_config(_write(tmp_path), sets)) == ([warned] if warned else [])

@@ -154,7 +154,7 @@ def _check_modes(args: argparse.Namespace) -> None:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``comera pretrain --dry-run``: the resolved config and its batch arithmetic, nothing started."""
-    from comera_dist.config import check_pretrainable
+    from comera_dist.config import check_local_inputs, check_pretrainable
     from comera_dist.configbase import ConfigError
     from comera_dist.engine.summary import format_summary, run_summary
 
@@ -165,6 +165,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
         check_pretrainable(cfg)
+        check_local_inputs(cfg)
     except ConfigError as e:
         print(f"comera pretrain: error: {e} (the summary above is for inspection only)", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -173,10 +174,11 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """``comera pretrain --check-config``: what ``pretrain`` checks before any rank starts, nothing more."""
-    from comera_dist.config import check_pretrainable
+    from comera_dist.config import check_local_inputs, check_pretrainable
 
     cfg = _checked_config(args)
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
+    check_local_inputs(cfg)
     _print_warnings(cfg)
     print(f"comera pretrain: {args.config}: config accepted (the batch arithmetic is checked at the run's world "
           "size: --dry-run --world-size N)")

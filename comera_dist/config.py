@@ -10,6 +10,7 @@ All of it runs before any process group starts.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,31 @@ def check_pretrainable(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     for key, path in (("train.output_dir", Path(cfg.train.output_dir)), ("data.cache_dir", cfg.data.resolved_cache_dir())):
         _check_directory_path(key, path)
+
+
+def check_local_inputs(cfg: RunConfig) -> None:
+    """The local inputs a run reads once its ranks are up: ``data.files`` (``source: files``; each must exist and
+    the builder be inferable), ``data.tokenizer.pretrained`` and a ``train.resume`` path. ``--check-config`` and
+    ``--dry-run`` look on the submitting host (a cluster's shared filesystem), where a wrong path costs no queue
+    wait; the run finds them again itself."""
+    from comera_dist.data import sources
+    from comera_dist.data.errors import DataError
+    from comera_dist.data.tokenizer import pretrained_dir
+
+    data = cfg.data
+    try:
+        if data.source == "files":
+            sources.infer_builder(sources.resolve_paths(data.files), data.builder)
+        if data.tokenizer.pretrained is not None:
+            pretrained_dir(data.tokenizer.pretrained)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    resume = cfg.train.resume
+    # A requeued Slurm job (slurm/pretrain.sh checks at every start) resumes its own newest checkpoint instead
+    # (checkpoint.requeued_spec), and its retention may have deleted the one named here by then.
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+    if resume not in ("auto", "none") and not requeued and not Path(resume).expanduser().exists():
+        raise ConfigError(f"train.resume={resume}: no such checkpoint or run directory (auto, none or a path)")
 
 
 def _check_directory_path(key: str, path: Path) -> None:

@@ -58,7 +58,7 @@ def train_tokenizer(texts: datasets.Dataset, cfg: TokenizerConfig, *,
 def tokenizer_key(corpus_key: str, cfg: TokenizerConfig) -> str:
     """The content key of a tokenizer: the corpus it learnt from and its settings (or its saved files)."""
     if cfg.pretrained is not None:
-        root = _pretrained_dir(cfg.pretrained)
+        root = pretrained_dir(cfg.pretrained)
         files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
         return cache.content_key("tokenizer", {"pretrained": str(root), "files": files})
     return cache.content_key("tokenizer", {"corpus": corpus_key, "kind": cfg.kind, "vocab": cfg.vocab_size,
@@ -74,7 +74,7 @@ def obtain_tokenizer(train: datasets.Dataset | None, cfg: TokenizerConfig, *, co
     """
     key = tokenizer_key(corpus_key, cfg)
     if cfg.pretrained is not None:
-        return load_tokenizer(_pretrained_dir(cfg.pretrained)), key
+        return load_tokenizer(pretrained_dir(cfg.pretrained)), key
     path = cache.entry_dir(cache_root, "tokenizer", key)
     if cache.read_meta(path) is None:
         if train is None:
@@ -177,7 +177,8 @@ def save_export_tokenizer(src: Path, out: Path, *, max_length: int, objective: s
     tok.save_pretrained(str(out))
 
 
-def _pretrained_dir(name: str) -> Path:
+def pretrained_dir(name: str) -> Path:
+    """``data.tokenizer.pretrained`` as an absolute directory; a ``DataError`` naming the key when it is none."""
     path = Path(name).expanduser()
     if not path.is_dir():
         raise DataError(f"data.tokenizer.pretrained: no such directory: {path}")

@@ -154,6 +154,15 @@ _SIZED_FOR_32 = ["--config", "configs/codebert.yaml", "--set", "deepspeed.gradie
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.stepz=3"], "did you mean 'steps'"),
     (["--config", "configs/six-encoder.yaml"], "model.arch=six_encoder_cls is not pretrained"),
     ([*_SIZED_FOR_32, "--set", "model.recompute_factors=true"], "model.recompute_factors needs"),
+    # the local inputs the run reads once its ranks are up
+    (["--config", "configs/tiny-cpu.yaml", "--set", "data.source=files", "--set", "data.files=[/no/such/corpus]"],
+     "data.files: no such file or directory: /no/such/corpus"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "data.source=files", "--set", "data.files=[pyproject.toml]"],
+     "data.builder: cannot infer a builder for extensions ['.toml']"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "data.tokenizer.pretrained=/no/such/tok"],
+     "data.tokenizer.pretrained: no such directory: /no/such/tok"),
+    (["--config", "configs/tiny-cpu.yaml", "--resume", "/no/such/run"],
+     "train.resume=/no/such/run: no such checkpoint or run directory"),
 ])
 def test_check_config_refuses_what_pretrain_would_in_one_line(args, needle, capsys, tmp_path):
     out_dir = tmp_path / "run"
@@ -238,3 +247,27 @@ def test_a_warmup_longer_than_the_run_is_taken_and_said(mode, capsys, tmp_path):
                             "(warmup_decay)\n"), captured.err
     if "--json" in mode:
         assert json.loads(captured.out)["config"]["train"]["steps"] == 20
+
+
+def test_a_dry_run_names_a_missing_input_after_its_summary(capsys, tmp_path):
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={tmp_path / 'run'}",
+                   "--resume", str(tmp_path / "gone"), "--dry-run", "--json"])
+    captured = capsys.readouterr()
+    assert rc == cli.EXIT_BAD_INPUT and captured.err.count("\n") == 1, captured.err
+    assert f"train.resume={tmp_path / 'gone'}: no such checkpoint" in captured.err and "inspection only" in captured.err
+    assert json.loads(captured.out)["config"]["train"]["resume"] == str(tmp_path / "gone")
+
+
+def test_check_config_takes_existing_local_inputs(capsys, tmp_path):
+    (tmp_path / "ck").mkdir()
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", "data.source=files", "--set",
+                   "data.files=[comera_dist/*.py]", "--resume", str(tmp_path / "ck"), "--check-config"])
+    assert rc == 0, capsys.readouterr().err
+
+
+def test_a_requeued_job_is_not_refused_for_a_resume_path_retention_deleted(capsys, tmp_path, monkeypatch):
+    """slurm/pretrain.sh checks at every start; a requeued job resumes its own newest checkpoint instead."""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--resume", str(tmp_path / "deleted"),
+                   "--check-config"])
+    assert rc == 0, capsys.readouterr().err

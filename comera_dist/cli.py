@@ -50,7 +50,8 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                         "config, then exit without training or writing anything (status 2, after the summary, "
                         "when comera pretrain would refuse the config, e.g. the six-encoder classifier)")
     p.add_argument("--check-config", action="store_true",
-                   help="check the config (every key and value, the arch, the COMERA_* settings) and exit, "
+                   help="check the config (every key and value, the arch, the COMERA_* settings, the local files "
+                        "it names: data.files, data.tokenizer.pretrained, a --resume path) and exit, "
                         "without building the model or the batch arithmetic, which needs the world size "
                         "(--dry-run --world-size N checks that): status 0 when comera pretrain would take it, 2 "
                         "with one line naming the problem. For a node where the job's size is not known yet "

@@ -51,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{USAGE}\n{why}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"comera_dist.bench.{name.replace('-', '_')}")
-    return module.main(argv[1:])
+    from comera_dist.configbase import ConfigError
+    from comera_dist.engine.errors import InputError
+    from comera_dist.kernels.dispatch import SettingError
+
+    try:
+        return module.main(argv[1:])
+    except (ConfigError, InputError, SettingError) as e:  # a config it loads (--config, --set), a COMERA_* setting
+        print(f"python -m comera_dist.bench {name}: error: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,10 +29,41 @@ padding and fused FFN, the compile backend, the allocator, cuBLAS): ``bench_comm
 def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: ``--json PATH``, ``--steps N``, ``--batch-size B``."""
     p = argparse.ArgumentParser(prog=f"python -m comera_dist.bench {name}", description=description)
-    p.add_argument("--json", type=Path, help="write the result (metrics, rows, machine) to this JSON file")
+    p.add_argument("--json", type=output_file, help="write the result (metrics, rows, machine) to this JSON file")
     p.add_argument("--steps", type=int, default=None, help="timed repetitions per contender")
     p.add_argument("--batch-size", type=int, default=None, help="override the benchmark's batch size")
     return p
+
+
+def output_file(text: str) -> Path:
+    """An output file option (``--json PATH``), checked when parsed, before minutes of measuring: a usage error
+    (exit 2) when it is a directory or lies under a file (it failed at the write, with a traceback, the results
+    lost). Missing directories are made at the write."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory; give a file path")
+    at = next((a for a in path.absolute().parents if a.exists()), None)
+    if at is not None and not at.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: {at} is a file, not a directory")
+    return path
+
+
+def device_option(text: str) -> str:
+    """A ``--device`` value: ``cpu`` or a visible CUDA device, checked when parsed (a usage error, exit 2; a
+    ``cuda`` on a CPU-only torch crashed in the first CUDA call). Returned as given."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the benchmarks run on cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device is visible (torch {torch.__version__})")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text}: only {count} CUDA device(s) are visible")
+    return text
 
 
 def workload_options(p: argparse.ArgumentParser, *, smoke_help: str = "tiny model of the same architecture (CI)",

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from comera_dist.bench.common import output_file
+
 
 @dataclass(kw_only=True, slots=True)
 class StepMemory:
@@ -227,7 +229,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--recompute-factors", action="store_true",
                    help="as --recompute, and each recomputed block also remakes its TT factors L/R "
                         "(model.recompute_factors)")
-    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--json", type=output_file, default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1:
         p.error(f"--batch-size and --steps must be >= 1, got {args.batch_size} and {args.steps}")

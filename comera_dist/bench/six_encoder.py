@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_dist.bench.common import base_parser, workload_options, write_result
+from comera_dist.bench.common import base_parser, device_option, workload_options, write_result
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.compression.accounting import model_size
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
@@ -213,7 +213,7 @@ def main(argv: list[str]) -> int:
     p = base_parser("six-encoder", "six-encoder step time and memory, dense vs CoMERA, batch 1/8/32")
     workload_options(p, threads_help="torch.set_num_threads (default: torch's)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=device_option, default=None,
                    help="run the device comparison (dense, CoMERA, GaLore; fp32 and bf16) on this device, "
                         "e.g. cuda; metrics carry the device type. Default: cuda when a GPU is visible, "
                         "otherwise the CPU dense-vs-CoMERA run")

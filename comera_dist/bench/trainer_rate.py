@@ -82,7 +82,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from comera_dist.bench.common import base_parser, single_rank_env, write_result
+from comera_dist.bench.common import base_parser, device_option, single_rank_env, write_result
 from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, host_ops
 from comera_dist.bench.host_profile import host_profile, profile_rows
 from comera_dist.bench.six_encoder import time_steps, top_ops
@@ -362,7 +362,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as `comera pretrain --set` (repeatable; applied to both halves)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized model and data (CI): " + " ".join(SMOKE_SETS))
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--device", type=device_option, default=None, help="cuda or cpu (default: cuda when a GPU is visible)")
     p.add_argument("--warmup", type=int, default=3, help="untimed bench steps before the timed ones")
     p.add_argument("--skip", type=int, default=5, help="first trainer steps left out of its median")
     p.add_argument("--out", type=Path, default=None, help="trainer run directory (default: a temporary one)")

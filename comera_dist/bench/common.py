@@ -49,21 +49,29 @@ def output_file(text: str) -> Path:
 
 
 def device_option(text: str) -> str:
-    """A ``--device`` value: ``cpu`` or a visible CUDA device, checked when parsed (a usage error, exit 2; a
-    ``cuda`` on a CPU-only torch crashed in the first CUDA call). Returned as given."""
+    """A ``--device`` value: ``cpu``, ``cuda`` or ``cuda:N``, checked when parsed (a usage error, exit 2).
+    Returned as given. Whether the device is here is ``require_device``'s to say: ``bench summary`` parses the
+    commands of results from other machines."""
     try:
         device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{text!r}: the benchmarks run on cpu, cuda or cuda:N")
+    return text
+
+
+def require_device(p: argparse.ArgumentParser, text: str) -> torch.device:
+    """The device ``text`` names, or a usage error (exit 2) when this machine has not got it: a ``cuda`` on a
+    CPU-only torch crashed in the first CUDA call."""
+    device = torch.device(text)
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise argparse.ArgumentTypeError(f"{text}: no CUDA device is visible (torch {torch.__version__})")
+            p.error(f"--device {text}: no CUDA device is visible (torch {torch.__version__})")
         if device.index is not None and device.index >= count:
-            raise argparse.ArgumentTypeError(f"{text}: only {count} CUDA device(s) are visible")
-    return text
+            p.error(f"--device {text}: only {count} CUDA device(s) are visible")
+    return device
 
 
 def workload_options(p: argparse.ArgumentParser, *, smoke_help: str = "tiny model of the same architecture (CI)",

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from comera_dist.bench.common import base_parser, device_option, workload_options, write_result
+from comera_dist.bench.common import (
+    base_parser,
+    device_option,
+    require_device,
+    workload_options,
+    write_result,
+)
 from comera_dist.bench.memory_probe import measure_step
 from comera_dist.compression.accounting import model_size
 from comera_dist.compression.config import ControllerConfig, LrConfig, TensorizeConfig
@@ -257,7 +263,7 @@ def main(argv: list[str]) -> int:
     if args.device is not None:
         from comera_dist.bench.six_encoder_device import run_device
 
-        return run_device(args, torch.device(args.device), steps, sizes, argv)
+        return run_device(args, require_device(p, args.device), steps, sizes, argv)
     load_start = os.getloadavg()
     contenders = {n: make_contender(n, smoke=args.smoke) for n in ("dense", "comera")}
     rows: list[dict[str, Any]] = []

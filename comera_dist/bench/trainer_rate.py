@@ -82,7 +82,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from comera_dist.bench.common import base_parser, device_option, single_rank_env, write_result
+from comera_dist.bench.common import base_parser, device_option, require_device, single_rank_env, write_result
 from comera_dist.bench.compile_stats import compile_counters, cudagraph_trees, host_ops
 from comera_dist.bench.host_profile import host_profile, profile_rows
 from comera_dist.bench.six_encoder import time_steps, top_ops
@@ -372,7 +372,7 @@ def main(argv: list[str]) -> int:
         p.error("--batch-size: the batch is the config's; use --set deepspeed.micro_batch_size_per_gpu=B")
     if steps < 2 or args.skip < 1 or args.warmup < 0:
         p.error(f"need --steps >= 2, --skip >= 1, --warmup >= 0; got {steps}, {args.skip}, {args.warmup}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = require_device(p, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = args.config or (SMOKE_CONFIG if args.smoke else CONFIG)
     user_sets = (SMOKE_SETS if args.smoke else []) + args.set
     _single_rank_env(device)

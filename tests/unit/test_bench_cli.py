@@ -61,7 +61,7 @@ def test_a_bad_output_path_or_device_is_a_usage_error_before_anything_runs(capsy
 def test_cuda_without_a_visible_device_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["six-encoder", "--device", "cuda"])
-    assert e.value.code == 2 and "argument --device: cuda: no CUDA device is visible" in capsys.readouterr().err
+    assert e.value.code == 2 and "--device cuda: no CUDA device is visible" in capsys.readouterr().err
 
 
 def test_a_config_a_benchmark_loads_is_one_line_exit_2(capsys):

@@ -2,7 +2,7 @@
 # Run comera pretraining under Open MPI's mpirun. Each rank finds its rank and world size through
 # MPI (mpi4py, DeepSpeed's MPI discovery in engine/distributed.py) and rendezvouses over gloo.
 # usage: launch/mpirun.sh [--dry-run] --config CONFIG [trainer options...]
-#   --dry-run   print the mpirun command and exit
+#   --dry-run   check the run (comera pretrain --dry-run at NP ranks), print the mpirun command and exit
 # env:   NP (total processes, default: this node's GPUs, or 2 on CPU), MPIRUN (default: mpirun on PATH, the venv's first),
 #        MASTER_ADDR (rank 0's host; needed when the ranks span hosts, 127.0.0.1 on one host), MASTER_PORT
 #        (default 29500), MPIRUN_ARGS (extra args, e.g. a hostfile),
@@ -25,6 +25,7 @@ export MASTER_PORT=${MASTER_PORT:-29500}
 forward=(-x MASTER_PORT -x DS_ACCELERATOR -x OMP_NUM_THREADS -x PATH)
 if [ -n "${MASTER_ADDR:-}" ]; then export MASTER_ADDR; forward+=(-x MASTER_ADDR); fi
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
+. launch/preflight.sh     # comera_check_run: the trainer's check of the run, as slurm/pretrain.sh makes it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 NP=${NP:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
 
@@ -34,5 +35,9 @@ NP=${NP:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2
 cmd=(${MPIRUN:-mpirun} --allow-run-as-root --oversubscribe -np "$NP"
      "${forward[@]}" ${MPIRUN_ARGS:-}
      python launch/train.py "$@")
-if [ "$DRY_RUN" = 1 ]; then echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0; fi
+if [ "$DRY_RUN" = 1 ]; then
+  # a bad key or a batch NP ranks do not divide: the one-line refusal, exit 2, not a printed command
+  comera_check_run mpirun.sh "$NP" "$@" || exit
+  echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0
+fi
 exec "${cmd[@]}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run comera pretraining under torchrun (one node here; set NNODES/NODE_RANK/MASTER_ADDR for more).
 # usage: launch/torchrun.sh [--dry-run] --config CONFIG [trainer options...]
-#   --dry-run   print the torchrun command and exit
+#   --dry-run   check the run (comera pretrain --dry-run at NNODES x NPROC ranks), print the torchrun command, exit
 # env:   NPROC (processes per node, default: the node's GPUs, or 2 on CPU), NNODES (default 1), NODE_RANK
 #        (default 0), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 [ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
+. launch/preflight.sh     # comera_check_run: the trainer's check of the run, as slurm/pretrain.sh makes it
 NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
 
 # --max-restarts 0: a dead rank ends the job (torchrun then stops the other ranks) instead of
@@ -26,5 +27,12 @@ NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || 
 cmd=(${TORCHRUN:-python3 launch/torchrun.py} --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
      --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --max-restarts 0
      launch/train.py "$@")
-if [ "$DRY_RUN" = 1 ]; then echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0; fi
+if [ "$DRY_RUN" = 1 ]; then
+  # a bad key or a batch the world size does not divide: the one-line refusal, exit 2, not a printed command.
+  # Counts that are not numbers go to the trainer as written, which refuses them, rather than to bash arithmetic.
+  world="${NNODES:-1}x$NPROC"
+  if [[ "${NNODES:-1}" =~ ^[1-9][0-9]*$ && "$NPROC" =~ ^[1-9][0-9]*$ ]]; then world=$((${NNODES:-1} * NPROC)); fi
+  comera_check_run torchrun.sh "$world" "$@" || exit
+  echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0
+fi
 exec "${cmd[@]}"

@@ -85,12 +85,11 @@ RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 # rank. It needs the world size: inside an allocation (the job, or a dry run under salloc) with a known
 # process count; outside one, the node count is sbatch's -N, still to come, so only the config is checked.
 if [ "$TRAIN_SCRIPT" = launch/train.py ]; then
+  . launch/preflight.sh   # comera_check_run, as launch/torchrun.sh and launch/mpirun.sh check a dry run
   if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [[ "$NPROC" =~ ^[0-9]+$ ]]; then
-    python "$TRAIN_SCRIPT" --config "$CONFIG" --dry-run --world-size $((NNODES * NPROC)) "$@" > /dev/null \
-      || { echo "pretrain.sh: comera pretrain --dry-run refused this run (above); nothing started" >&2; exit 2; }
+    comera_check_run pretrain.sh $((NNODES * NPROC)) --config "$CONFIG" "$@" || exit
   else
-    python "$TRAIN_SCRIPT" --config "$CONFIG" --check-config "$@" > /dev/null \
-      || { echo "pretrain.sh: comera pretrain --check-config refused this config (above); nothing started" >&2; exit 2; }
+    comera_check_run pretrain.sh "" --config "$CONFIG" "$@" || exit
     echo "pretrain.sh: outside an allocation the job's world size is unknown: config keys checked; the job checks" \
          "its batch arithmetic before srun (comera pretrain --dry-run --world-size N checks it now)" >&2
   fi

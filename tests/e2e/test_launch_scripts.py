@@ -1,5 +1,6 @@
 """The launch/ scripts themselves: strict bash with a usage line, and ``--dry-run`` printing the exact
-command (one process each, milliseconds; the real 2-rank jobs are in tests/distributed/test_launchers.py)."""
+command (one process each: milliseconds, seconds where the trainer checks the config first; the real 2-rank jobs
+are in tests/distributed/test_launchers.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = "configs/tiny-cpu.yaml"
 SCRIPTS = ["launch/accelerator.sh", "launch/gpu_check.sh", "launch/gpu_wheels.sh", "launch/mpirun.sh",
-           "launch/pretrain_local.sh", "launch/setup.sh", "launch/test.sh", "launch/torchrun.sh",
+           "launch/preflight.sh", "launch/pretrain_local.sh", "launch/setup.sh", "launch/test.sh", "launch/torchrun.sh",
            "slurm/node_launch.sh", "slurm/pretrain-cpu.sh", "slurm/pretrain.sh"]
 # What a script could start: each is a stub on PATH (or named by the variable the script reads) that logs its call.
 STUBS = ["pip", "pip3", "python", "python3", "deepspeed", "torchrun", "mpirun", "srun", "scontrol", "scancel",
@@ -53,6 +54,33 @@ def test_launch_scripts_dry_run_print_the_command():
     for script in ("launch/torchrun.sh", "launch/mpirun.sh"):
         p = run(script)  # no trainer arguments: the usage, exit 2
         assert p.returncode == 2 and "usage:" in p.stderr
+
+
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/mpirun.sh"])
+def test_launchers_dry_run_is_the_trainers_check_of_the_run(script, tmp_path):
+    """Their dry run printed a command for any config; the trainer checks it at the launch's world size first
+    (torchrun.sh NNODES x NPROC, mpirun.sh NP), as slurm/pretrain.sh does: a refusal prints no command."""
+    out_dir = tmp_path / "run"
+
+    def dry_run(*sets: str, ranks: int) -> subprocess.CompletedProcess:
+        env = _env(NNODES=str(ranks), NPROC="1", NP=str(ranks))  # torchrun.sh: ranks nodes x 1 process
+        args = ["--config", TINY, "--set", f"train.output_dir={out_dir}", *sets]
+        return subprocess.run([script, "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+
+    refused = f"{Path(script).name}: comera pretrain --dry-run refused this run (above); nothing started"
+    p = dry_run("--set", "train.steps=0", ranks=2)
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    assert "comera pretrain: error: " in p.stderr and "train.steps must be >= 1, got 0" in p.stderr, p.stderr
+    assert refused in p.stderr
+    p = dry_run("--set", "deepspeed.train_batch_size=8", ranks=3)  # 8 is no multiple of 3 ranks x 4 per micro-batch
+    assert p.returncode == 2 and "train_batch_size" in p.stderr and refused in p.stderr and p.stdout == "", p.stderr
+    p = dry_run("--set", "deepspeed.train_batch_size=8", ranks=2)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[-6:] == ["--config", TINY, "--set", f"train.output_dir={out_dir}", "--set",
+                                     "deepspeed.train_batch_size=8"]
+    assert p.stderr == "DS_ACCELERATOR=cpu\n"
+    assert not out_dir.exists()
 
 
 def test_every_launch_and_slurm_script_is_listed():
@@ -120,7 +148,7 @@ def test_trainer_launchers_help_names_the_trainers_options(script, tmp_path):
                                   ["launch/gpu_check.sh", "--dry-run", "--hlep"], ["launch/setup.sh", "--hlep"],
                                   ["launch/setup.sh", "--dev", "x"], ["slurm/pretrain.sh", "--hlep"],
                                   ["slurm/pretrain.sh", "--dry-run", "--hlep"], ["slurm/node_launch.sh"],
-                                  ["launch/accelerator.sh"]], ids=" ".join)
+                                  ["launch/accelerator.sh"], ["launch/preflight.sh"]], ids=" ".join)
 def test_a_mistyped_option_is_a_usage_error_not_a_folder(args, tmp_path):
     box = Sandbox(tmp_path)
     p = box.run(*args)

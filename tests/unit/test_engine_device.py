@@ -74,7 +74,9 @@ def test_torchrun_defaults_to_one_process_per_gpu(tmp_path):
     _pick(tmp_path, 4)  # writes the fake nvidia-smi
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "NPROC")}
     env["PATH"] = f"{bindir}:{env['PATH']}"
-    r = subprocess.run(["launch/torchrun.sh", "--dry-run", "--config", "x.yaml"], cwd=REPO, env=env,
+    # a config the trainer's check (its dry run at 4 ranks) accepts, writing nowhere in the repository
+    args = ["--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={tmp_path / 'run'}"]
+    r = subprocess.run(["launch/torchrun.sh", "--dry-run", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, check=True)
     assert "--nproc-per-node 4" in r.stdout and "DS_ACCELERATOR=cuda" in r.stderr
 

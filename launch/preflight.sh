@@ -1,0 +1,30 @@
+# shellcheck shell=bash
+# Sourced by the launchers (not run): the trainer's own check of a run before any rank starts.
+# usage: . launch/preflight.sh      (from a launcher, after cd to the repository, its venv on PATH)
+#   comera_check_run NAME N ARGS...    comera pretrain --dry-run --world-size N ARGS (keys, values, the batch)
+#   comera_check_run NAME "" ARGS...   comera pretrain --check-config ARGS (the world size is not known yet)
+# The trainer's output is dropped; its one-line refusal reaches stderr, and NAME's line says what follows.
+# Returns 0 when the trainer accepts the run, else the launcher's exit status: 2 the trainer refused it, else the
+# check's own (a trainer that could not start is not a refused config).
+# Run (not sourced) it only prints this header: --help exits 0, anything else 2 (its function would be lost).
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  case "${1:-}" in -h|--help) sed -n '2,9p' "$0"; exit 0 ;; *) sed -n '2,9p' "$0" >&2; exit 2 ;; esac
+fi
+
+comera_check_run() {
+  local name=$1 world=$2 rc=0 check refused
+  shift 2
+  if [ -n "$world" ]; then
+    check="comera pretrain --dry-run" refused="refused this run"
+    python launch/train.py --dry-run --world-size "$world" "$@" > /dev/null || rc=$?
+  else
+    check="comera pretrain --check-config" refused="refused this config"
+    python launch/train.py --check-config "$@" > /dev/null || rc=$?
+  fi
+  case $rc in
+    0) ;;
+    2) echo "$name: $check $refused (above); nothing started" >&2 ;;
+    *) echo "$name: $check failed with status $rc (above); nothing started" >&2 ;;
+  esac
+  return "$rc"
+}

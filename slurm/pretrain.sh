@@ -8,6 +8,8 @@
 # env: COMERA_HOME (repository; default the submit directory), COMERA_DEVICE (gpu | cpu, default gpu),
 #      COMERA_NPROC_PER_NODE (default: GPUs on the node, or 2 on cpu), COMERA_RDZV_PORT (default 20000 +
 #      job id mod 20000), COMERA_TRAIN_SCRIPT (default launch/train.py), COMERA_DRY_RUN=1 (= --dry-run)
+# exit: 2 a bad argument or a config the trainer refuses, 1 a python on PATH (.venv's when there is one) without
+#       torch or comera_dist (./launch/setup.sh sets up .venv), both before anything starts; else the job's status.
 # Preemption / time limit: Slurm sends USR1 to this script 120 s early (--signal=B:USR1@120); it
 # forwards USR1 to every node's trainer processes, which checkpoint at the next step boundary and
 # exit 0; then the job requeues itself and the next run resumes (--resume auto).
@@ -26,7 +28,7 @@
 set -euo pipefail
 
 DRY_RUN=${COMERA_DRY_RUN:-0}
-case "${1:-}" in -h|--help) sed -n '2,13p' "$0"; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,15p' "$0"; exit 0 ;; esac
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 case "${1:-}" in
   "") sed -n '3,9p' "$0" >&2; exit 2 ;;
@@ -84,6 +86,7 @@ RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
 # starts: a mistyped key or a world size the batch does not divide would otherwise stop every rank, once per
 # rank. It needs the world size: inside an allocation (the job, or a dry run under salloc) with a known
 # process count; outside one, the node count is sbatch's -N, still to come, so only the config is checked.
+# A python without torch (no .venv here, say) is said as such, exit 1, not as a refused config.
 if [ "$TRAIN_SCRIPT" = launch/train.py ]; then
   . launch/preflight.sh   # comera_check_run, as launch/torchrun.sh and launch/mpirun.sh check a dry run
   if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [[ "$NPROC" =~ ^[0-9]+$ ]]; then

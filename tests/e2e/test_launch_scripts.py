@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,28 @@ def test_slurm_dry_run_needs_no_gpu_and_a_real_run_says_what_is_missing(tmp_path
     assert "srun" not in box.started(), box.started()
     p = box.run("slurm/pretrain.sh", "--dry-run", TINY, COMERA_NPROC_PER_NODE="0")
     assert p.returncode == 2 and "COMERA_NPROC_PER_NODE must be a positive integer, got '0'" in p.stderr
+
+
+@pytest.mark.parametrize("venv", ["none", "without torch"])
+@pytest.mark.parametrize("args", [["slurm/pretrain.sh", "--dry-run", TINY], ["slurm/pretrain.sh", TINY],
+                                  ["launch/torchrun.sh", "--dry-run", "--config", TINY],
+                                  ["launch/mpirun.sh", "--dry-run", "--config", TINY]], ids=" ".join)
+def test_a_python_without_torch_is_a_missing_environment_not_a_refused_config(args, venv, tmp_path):
+    """Without launch/setup.sh's .venv the trainer's check died on its ImportError, which pretrain.sh reported as
+    a refused config (exit 2). The python it picks is named, exit 1, and nothing starts."""
+    box = Sandbox(tmp_path)
+    (box.repo / "configs").mkdir()
+    (box.repo / TINY).write_text("")
+    bare = box.repo / ".venv" if venv == "without torch" else tmp_path / "bare"  # no .venv: first on PATH
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    p = box.run(*args, PATH=f"{bare / 'bin'}:{box.env['PATH']}", PYTHONPATH="", COMERA_DEVICE="cpu")
+    name = Path(args[0]).name
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr == (f"{name}: the Python environment lacks torch and comera_dist ({bare / 'bin/python'}, the "
+                        "python on PATH): ./launch/setup.sh sets up .venv with torch and comera-dist, which the "
+                        "launchers use; nothing started\n"), p.stderr
+    started = [c for c in box.started().splitlines() if not c.startswith("nvidia-smi ")]  # accelerator.sh's probe
+    assert p.stdout == "" and started == [], started
 
 
 def test_gpu_check_dry_run_lists_its_steps_without_a_gpu_and_a_real_run_says_what_is_missing(tmp_path):

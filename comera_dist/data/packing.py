@@ -34,8 +34,12 @@ def separator_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def pack(docs: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, *, seq_len: int, objective: str,
-         desc: str = "packing", show_progress: bool = True) -> datasets.Dataset:
-    """Blocks ``input_ids (num_blocks, seq_len)`` int32 from the ``text`` column of ``docs``."""
+         desc: str = "packing", show_progress: bool = True,
+         too_short: str = "add text or lower data.seq_len") -> datasets.Dataset:
+    """Blocks ``input_ids (num_blocks, seq_len)`` int32 from the ``text`` column of ``docs``.
+
+    ``too_short``: the remedy named when the text makes no block (a caller whose ``seq_len`` is not the
+    user's to lower, as an evaluation's, names its own)."""
     stream = token_stream(docs, tokenizer, desc=desc, show_progress=show_progress)  # (num_tokens,)
     if objective == "mlm":
         if tokenizer.cls_token_id is None or tokenizer.mask_token_id is None:
@@ -53,7 +57,7 @@ def pack(docs: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, *, seq_len:
         blocks = stream[:n * seq_len].reshape(n, seq_len)  # (n, L)
     if n == 0:
         raise DataError(f"{desc}: {len(stream)} tokens from {len(docs)} documents make no block of "
-                        f"data.seq_len={seq_len}; add text or lower data.seq_len")
+                        f"data.seq_len={seq_len}; {too_short}")
     table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(blocks.reshape(-1)), seq_len)})
     return datasets.Dataset(table)
 

@@ -145,15 +145,19 @@ def check_compat(data_cfg: DataConfig, vocab_size: int, max_positions: int, *,
 
 def evaluation_corpus(paths: Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, *, seq_len: int,
                       objective: str = "mlm", text_column: str = "text", show_progress: bool = True,
-                      cache_dir: Path | None = None) -> datasets.Dataset:
+                      cache_dir: Path | None = None,
+                      too_short: str = "add text or lower data.seq_len") -> datasets.Dataset:
     """Packed blocks from any local corpus: files or directories of .py/.txt/.md/.json/.jsonl/.parquet.
 
-    Text-like files are whole documents; JSON/Parquet rows give ``text_column``. Not cached.
+    Text-like files are whole documents; JSON/Parquet rows give ``text_column``. Not cached. Nothing
+    configures the builder or the column here, so their errors name the file, not ``data.*`` keys;
+    ``too_short``: ``pack``'s remedy for a corpus that makes no block (``comera evaluate``'s ``seq_len``
+    is its checkpoint's, not the user's to lower).
     """
     files = sources.resolve_paths([str(p) for p in paths], where="evaluation paths")
     groups: dict[str, list[Path]] = {}
     for f in files:
-        groups.setdefault(sources.infer_builder([f], None, where=f"evaluation file {f}"), []).append(f)
+        groups.setdefault(_evaluation_builder(f), []).append(f)
     parts = []
     for builder, group in sorted(groups.items()):
         if builder == "text":
@@ -162,10 +166,22 @@ def evaluation_corpus(paths: Sequence[str | Path], tokenizer: PreTrainedTokenize
                                                     features=datasets.Features(text=datasets.Value("string"))))
         else:
             hf_cache = cache_dir or DataConfig().resolved_cache_dir()
-            parts.append(sources.load_files(group, builder=builder, text_column=text_column, sample_by="document",
-                                            cache_dir=hf_cache / "hf", num_proc=1))
+            with cache.datasets_progress(show_progress):  # its "Generating train split" bar, kept out of a log
+                parts.append(sources.load_files(group, builder=builder, text_column=text_column,
+                                                sample_by="document", cache_dir=hf_cache / "hf", num_proc=1,
+                                                setting="the evaluation's text column"))
     docs = sources.drop_blank(datasets.concatenate_datasets(parts))
     if len(docs) == 0:
         raise DataError(f"empty corpus: the evaluation paths {[str(p) for p in paths]} hold no non-blank text")
     return packing.pack(docs, tokenizer, seq_len=seq_len, objective=objective, desc="tokenizing evaluation",
-                        show_progress=show_progress)
+                        show_progress=show_progress, too_short=too_short)
+
+
+def _evaluation_builder(path: Path) -> str:
+    """The ``datasets`` builder of an evaluation file, by its extension alone (there is no builder to set)."""
+    builder = sources.BUILDER_BY_SUFFIX.get(path.suffix)
+    if builder is None:
+        kind = repr(path.suffix) if path.suffix else "extension-less"
+        raise DataError(f"evaluation file {path}: cannot read {kind} files; "
+                        f"convert it to one of {', '.join(sorted(sources.BUILDER_BY_SUFFIX))} or leave it out")
+    return builder

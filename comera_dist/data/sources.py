@@ -117,8 +117,9 @@ def infer_builder(paths: Sequence[Path], builder: str | None, *, where: str = "d
 
 
 def load_files(paths: Sequence[Path], *, builder: str, text_column: str, sample_by: str,
-               cache_dir: Path, num_proc: int) -> datasets.Dataset:
-    """Load ``paths`` with ``datasets.load_dataset(builder, ...)`` into one ``text`` column."""
+               cache_dir: Path, num_proc: int, setting: str = "data.text_column") -> datasets.Dataset:
+    """Load ``paths`` with ``datasets.load_dataset(builder, ...)`` into one ``text`` column (``setting``:
+    ``text_only``'s)."""
     kwargs: dict = {"data_files": [str(p) for p in paths], "split": "train",
                     "cache_dir": str(cache_dir), "num_proc": num_proc if len(paths) > 1 else None}
     if builder == "text":
@@ -128,17 +129,19 @@ def load_files(paths: Sequence[Path], *, builder: str, text_column: str, sample_
     except Exception as e:  # datasets raises many types; the file list is what the user needs
         raise DataError(f"load_dataset({builder!r}) failed on {len(paths)} file(s) "
                         f"(first: {paths[0]}): {type(e).__name__}: {e}") from e
-    return text_only(ds, text_column, where=f"files {paths[0]} ...")
+    return text_only(ds, text_column, where=f"files {paths[0]} ...", setting=setting)
 
 
-def text_only(ds: datasets.Dataset, text_column: str, *, where: str) -> datasets.Dataset:
-    """Keep only ``text_column`` (renamed ``text``); a missing or non-string column is an error."""
+def text_only(ds: datasets.Dataset, text_column: str, *, where: str,
+              setting: str = "data.text_column") -> datasets.Dataset:
+    """Keep only ``text_column`` (renamed ``text``); a missing or non-string column is an error naming
+    ``setting``, what chose the column (a caller without that config key names its own)."""
     if text_column not in ds.column_names:
-        raise DataError(f"data.text_column {text_column!r} is not a column of {where}; "
+        raise DataError(f"{setting} {text_column!r} is not a column of {where}; "
                         f"columns: {ds.column_names}")
     feature = ds.features[text_column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise DataError(f"data.text_column {text_column!r} of {where} holds {feature}, not strings")
+        raise DataError(f"{setting} {text_column!r} of {where} holds {feature}, not strings")
     ds = ds.select_columns([text_column])
     return ds.rename_column(text_column, "text") if text_column != "text" else ds
 

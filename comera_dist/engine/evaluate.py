@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.config import RunConfig, build_run_config
@@ -109,6 +110,17 @@ def _tokenizer_dir(path: Path, cfg: RunConfig) -> Path:
     return beside if beside.is_dir() else Path(cfg.train.output_dir) / "tokenizer"
 
 
+def _run_tokenizer(path: Path, cfg: RunConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer the run of checkpoint ``path`` saved. A missing one is an error naming where it was looked
+    for (``load_tokenizer``'s own names ``data.tokenizer.pretrained``, a setting evaluate does not have)."""
+    where = _tokenizer_dir(path, cfg)
+    if not where.is_dir():
+        looked = " or ".join(str(p) for p in dict.fromkeys([path.parent.parent / "tokenizer", where]))
+        raise InputError(f"checkpoint {path}: no run tokenizer at {looked}; copy the run's tokenizer/ "
+                         "directory beside its checkpoints/")
+    return load_tokenizer(where)
+
+
 def load_run(spec: str | Path) -> LoadedRun:
     """Rebuild the model of a checkpoint at its saved (possibly pruned) shapes and load its weights.
 
@@ -182,10 +194,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     path = locate(checkpoint)  # its config and tokenizer: the data first, so bad input fails before any weights
     cfg, _ = _read(path)
     try:
-        tokenizer = load_tokenizer(_tokenizer_dir(path, cfg))
+        tokenizer = _run_tokenizer(path, cfg)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
-                                   show_progress=sys.stderr.isatty())  # a large corpus takes a while to read
+                                   show_progress=sys.stderr.isatty(),  # a large corpus takes a while to read
+                                   too_short="the checkpoint fixes data.seq_len: give --data more text")
         collator = collator_for(cfg.data.objective, tokenizer, cfg.data.mlm_probability)
         batches = list(eval_batches(blocks, batch_size=batch_size, rank=0, world_size=1, seed=seed,
                                     collator=collator, max_batches=max_batches))

@@ -143,6 +143,33 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
         assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
 
+def test_evaluate_bad_data_names_what_evaluate_can_change(run_dir, corpus, tmp_path, capsys):
+    """evaluate has no data.builder, data.text_column or data.seq_len to set (the checkpoint fixes the sequence
+    length, JSON rows are read from 'text'): its data errors name the file, --data or the run's directory."""
+    import shutil
+
+    import yaml
+
+    (tmp_path / "a.toml").write_text("[tool]\nname = 'x'\n")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"body": "def f(x):\n    return x\n"}) + "\n")
+    (tmp_path / "short.txt").write_text("x = 1\n")
+    moved = tmp_path / "moved" / "checkpoints" / "step00000006"  # copied without its run's tokenizer/
+    shutil.copytree(run_dir / "checkpoints" / "step00000006", moved)
+    saved = yaml.safe_load((moved / "config.yaml").read_text())
+    saved["train"]["output_dir"] = str(tmp_path / "gone")
+    (moved / "config.yaml").write_text(yaml.safe_dump(saved))
+    for checkpoint, data, needle, not_named in (
+            (run_dir, tmp_path / "a.toml", "cannot read '.toml' files; convert it to one of .json", "builder"),
+            (run_dir, tmp_path / "rows.jsonl", "the evaluation's text column 'text' is not a column of files",
+             "data.text_column"),
+            (run_dir, tmp_path / "short.txt", "the checkpoint fixes data.seq_len: give --data more text",
+             "lower data.seq_len"),
+            (moved, corpus, f"no run tokenizer at {tmp_path / 'moved' / 'tokenizer'} or {tmp_path / 'gone'}",
+             "data.tokenizer.pretrained")):
+        rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(checkpoint), "--data", str(data))
+        assert rc == 2 and err.count("\n") == 1 and needle in err and not_named not in err, err
+
+
 def test_evaluate_and_export_print_only_their_result_on_stdout(run_dir, corpus, tmp_path):
     """As scripts call them (a fresh process, no DS_ACCELERATOR): DeepSpeed's logger writes to stdout, its
     accelerator warning at import and zero_to_fp32's progress; they go to stderr."""

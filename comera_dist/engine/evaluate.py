@@ -161,11 +161,11 @@ def _load(path: Path) -> LoadedRun:
     """``load_run`` of the checkpoint directory ``path``."""
     problems = ckpt.check(path)
     if problems:
-        raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems))
+        raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems) + _instead(path))
     try:
         ckpt.verify_weights_only(path)
     except ckpt.CheckpointError as e:  # the message names the shard
-        raise InputError(f"checkpoint {path} is refused: {e}") from e
+        raise InputError(f"checkpoint {path} is refused: {e}{_instead(path)}") from e
     cfg, meta = _read(path)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_run_model(cfg), plans)
@@ -181,6 +181,18 @@ def _load(path: Path) -> LoadedRun:
                          f"unexpected {unexpected[:5]}")
     model.eval()
     return LoadedRun(path=path, cfg=cfg, model=model, state=state, tokenizer_dir=_tokenizer_dir(path, cfg))
+
+
+def _instead(path: Path) -> str:
+    """The refusal's way on: the newest other checkpoint beside ``path`` whose files verify. ``load_run`` never
+    falls back to it by itself (a run directory's newest is what the user asked for), but names it for
+    ``--checkpoint``. Only on failure, so reading older checkpoints' digests costs nothing otherwise."""
+    if not ckpt.is_complete(path):  # deleted while read (a live run's retention): load_run reads the newest again
+        return ""
+    for other in reversed(ckpt.complete_checkpoints(path.parent)):
+        if other != path and not ckpt.check(other):
+            return f"; the newest checkpoint there that verifies is {other}: pass --checkpoint {other} to use it"
+    return f"; no other checkpoint in {path.parent} verifies"
 
 
 @torch.no_grad()

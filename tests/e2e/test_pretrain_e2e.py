@@ -283,6 +283,28 @@ def test_evaluate_and_export_refuse_a_corrupted_checkpoint(run_dir, corpus, tmp_
     assert rc == 0, err[-3000:]  # the intact original still evaluates
 
 
+def test_a_run_whose_newest_checkpoint_is_corrupted_is_refused_naming_the_newest_that_verifies(
+        run_dir, corpus, tmp_path, capsys):
+    """Still refused (no quiet fallback, ``evaluate.load_run``), but the message names the checkpoint to pass."""
+    import shutil
+
+    shutil.copytree(run_dir / "checkpoints", tmp_path / "run" / "checkpoints")
+    root = tmp_path / "run" / "checkpoints"
+    for tag in ("step00000006", "step00000003"):
+        shard = root / tag / "mp_rank_00_model_states.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        good = root / "step00000003"
+        hint = f"pass --checkpoint {good} to use it" if tag == "step00000006" else f"no other checkpoint in {root}"
+        rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(tmp_path / "run"), "--data", str(corpus))
+        assert rc == 2 and err.count("\n") == 1 and f"{root / 'step00000006'} fails verification" in err, err
+        assert hint in err, err
+        rc, _, err = in_process(capsys, "export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "o"))
+        assert rc == 2 and hint in err, err
+        assert not (tmp_path / "o").exists()
+
+
 def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     errors = [line for line in p.stderr.splitlines() if line.startswith("comera ")]

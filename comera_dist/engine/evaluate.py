@@ -229,11 +229,23 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
             "batches": len(batches), "blocks": len(blocks), "objective": cfg.data.objective}
 
 
+def _check_out(out: Path) -> None:
+    """``out`` can take an export: absent or an empty directory, and its nearest existing ancestor a directory
+    this process may create entries in. ``export_checkpoint`` checks it before loading any weights (minutes
+    for a large model), and ``_publish_dir`` again at the write (``out`` may have appeared meanwhile)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"--out {out}: exists and is not an empty directory")
+    at = next(p for p in out.absolute().parents if p.exists())  # ends at the root, which exists
+    if not at.is_dir():
+        raise InputError(f"--out {out}: {at} is a file, not a directory")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: cannot create it, {at} is not writable")
+
+
 @contextlib.contextmanager
 def _publish_dir(out: Path) -> Iterator[Path]:
     """Fill a temporary sibling of ``out``, then rename it into place (never a half-written export)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError(f"--out {out}: exists and is not an empty directory")
+    _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # A plain mkdir, not mkdtemp: the export gets the mode (umask, default ACLs) of any directory made there,
     # not mkdtemp's 0700 that locks teammates on a shared cluster out of it.
@@ -264,8 +276,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "de
 
     if fmt not in ("dense-hf", "tt", "consolidated"):
         raise InputError(f"--format {fmt!r} is not one of dense-hf, tt, consolidated")
-    run = load_run(checkpoint)
     out = Path(out)
+    _check_out(out)
+    run = load_run(checkpoint)
     with _publish_dir(out) as tmp:
         if fmt == "dense-hf":
             export_dense(run.model, tmp, token_ids=_token_ids(run.tokenizer_dir))

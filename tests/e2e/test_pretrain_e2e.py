@@ -305,6 +305,28 @@ def test_a_run_whose_newest_checkpoint_is_corrupted_is_refused_naming_the_newest
         assert not (tmp_path / "o").exists()
 
 
+def test_export_checks_out_before_loading_the_weights(run_dir, tmp_path, monkeypatch, capsys):
+    """Loading a large model takes minutes: an --out that cannot take the export is refused before it."""
+    from comera_dist.engine import evaluate
+
+    def load_run(spec):
+        raise AssertionError("the weights were loaded before --out was checked")
+
+    monkeypatch.setattr(evaluate, "load_run", load_run)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("kept")
+    (tmp_path / "file").write_text("kept")
+    for out, needle in ((tmp_path / "full", "exists and is not an empty directory"),
+                        (tmp_path / "file", "exists and is not an empty directory"),
+                        (tmp_path / "file" / "sub" / "out", f"{tmp_path / 'file'} is a file, not a directory")):
+        rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(out))
+        assert rc == 2 and err.count("\n") == 1 and f"--out {out}: {needle}" in err, err
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a non-root user on a read-only dir
+    rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "new" / "out"))
+    assert rc == 2 and f"cannot create it, {tmp_path} is not writable" in err, err
+    assert (tmp_path / "full" / "x").read_text() == "kept" and not (tmp_path / "new").exists()
+
+
 def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     errors = [line for line in p.stderr.splitlines() if line.startswith("comera ")]

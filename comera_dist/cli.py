@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per batch (default 8)")
     ev.add_argument("--max-batches", type=int, default=None, metavar="N",
                     help="stop after N batches (default: the whole corpus)")
+    ev.add_argument("--text-column", default=None, metavar="NAME",
+                    help="the column of JSON/Parquet rows holding the text (default: the checkpoint's "
+                         "data.text_column)")
     ev.add_argument("--seed", type=int, default=0, help="seed of the MLM masking (default 0; a causal run draws nothing)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -217,7 +220,7 @@ def evaluate(args: argparse.Namespace) -> int:
         from comera_dist.engine.evaluate import evaluate_checkpoint
 
         result = evaluate_checkpoint(args.checkpoint, args.data, batch_size=args.batch_size,
-                                     max_batches=args.max_batches, seed=args.seed)
+                                     max_batches=args.max_batches, seed=args.seed, text_column=args.text_column)
     if args.json:
         print(json.dumps(result))
     else:

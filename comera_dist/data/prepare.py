@@ -145,13 +145,13 @@ def check_compat(data_cfg: DataConfig, vocab_size: int, max_positions: int, *,
 
 def evaluation_corpus(paths: Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, *, seq_len: int,
                       objective: str = "mlm", text_column: str = "text", show_progress: bool = True,
-                      cache_dir: Path | None = None,
+                      cache_dir: Path | None = None, column_setting: str = "the evaluation's text column",
                       too_short: str = "add text or lower data.seq_len") -> datasets.Dataset:
     """Packed blocks from any local corpus: files or directories of .py/.txt/.md/.json/.jsonl/.parquet.
 
     Text-like files are whole documents; JSON/Parquet rows give ``text_column``. Not cached. Nothing
-    configures the builder or the column here, so their errors name the file, not ``data.*`` keys;
-    ``too_short``: ``pack``'s remedy for a corpus that makes no block (``comera evaluate``'s ``seq_len``
+    configures the builder here, so its errors name the file, not ``data.*`` keys; ``column_setting`` is what
+    chose ``text_column``, for its errors; ``too_short``: ``pack``'s remedy for a corpus that makes no block (``comera evaluate``'s ``seq_len``
     is its checkpoint's, not the user's to lower).
     """
     files = sources.resolve_paths([str(p) for p in paths], where="evaluation paths")
@@ -169,7 +169,7 @@ def evaluation_corpus(paths: Sequence[str | Path], tokenizer: PreTrainedTokenize
             with cache.datasets_progress(show_progress):  # its "Generating train split" bar, kept out of a log
                 parts.append(sources.load_files(group, builder=builder, text_column=text_column,
                                                 sample_by="document", cache_dir=hf_cache / "hf", num_proc=1,
-                                                setting="the evaluation's text column"))
+                                                setting=column_setting))
     docs = sources.drop_blank(datasets.concatenate_datasets(parts))
     if len(docs) == 0:
         raise DataError(f"empty corpus: the evaluation paths {[str(p) for p in paths]} hold no non-blank text")

@@ -197,18 +197,22 @@ def _instead(path: Path) -> str:
 
 @torch.no_grad()
 def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_size: int = 8,
-                        max_batches: int | None = None, seed: int = 0) -> dict[str, Any]:
-    """Token-weighted MLM (or causal) loss and arg-max accuracy of a checkpoint on local files."""
+                        max_batches: int | None = None, seed: int = 0, text_column: str | None = None) -> dict[str, Any]:
+    """Token-weighted MLM (or causal) loss and arg-max accuracy of a checkpoint on local files. JSON/Parquet rows
+    give ``text_column`` (None: the checkpoint's ``data.text_column``, the run's own files' column)."""
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 1:
         raise InputError(f"--max-batches must be >= 1 (or left out for the whole corpus), got {max_batches}")
     path = locate(checkpoint)  # its config and tokenizer: the data first, so bad input fails before any weights
     cfg, _ = _read(path)
+    column, setting = ((text_column, "--text-column") if text_column is not None else
+                       (cfg.data.text_column, "the checkpoint's data.text_column (--text-column sets another)"))
     try:
         tokenizer = _run_tokenizer(path, cfg)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
+                                   text_column=column, column_setting=setting,
                                    show_progress=sys.stderr.isatty(),  # a large corpus takes a while to read
                                    too_short="the checkpoint fixes data.seq_len: give --data more text")
         collator = collator_for(cfg.data.objective, tokenizer, cfg.data.mlm_probability)

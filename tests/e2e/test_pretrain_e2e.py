@@ -144,8 +144,8 @@ def test_evaluate_checkpoint_on_local_corpus(run_dir, corpus, capsys):
 
 
 def test_evaluate_bad_data_names_what_evaluate_can_change(run_dir, corpus, tmp_path, capsys):
-    """evaluate has no data.builder, data.text_column or data.seq_len to set (the checkpoint fixes the sequence
-    length, JSON rows are read from 'text'): its data errors name the file, --data or the run's directory."""
+    """evaluate has no data.builder or data.seq_len to set (the checkpoint fixes the sequence length), and its
+    JSON rows' column is --text-column: its data errors name the file, --data, the option or the run's directory."""
     import shutil
 
     import yaml
@@ -160,14 +160,23 @@ def test_evaluate_bad_data_names_what_evaluate_can_change(run_dir, corpus, tmp_p
     (moved / "config.yaml").write_text(yaml.safe_dump(saved))
     for checkpoint, data, needle, not_named in (
             (run_dir, tmp_path / "a.toml", "cannot read '.toml' files; convert it to one of .json", "builder"),
-            (run_dir, tmp_path / "rows.jsonl", "the evaluation's text column 'text' is not a column of files",
-             "data.text_column"),
+            (run_dir, tmp_path / "rows.jsonl", ("the checkpoint's data.text_column (--text-column sets another) "
+             "'text' is not a column of files"), "data.text_column 'text'"),
             (run_dir, tmp_path / "short.txt", "the checkpoint fixes data.seq_len: give --data more text",
              "lower data.seq_len"),
             (moved, corpus, f"no run tokenizer at {tmp_path / 'moved' / 'tokenizer'} or {tmp_path / 'gone'}",
              "data.tokenizer.pretrained")):
         rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(checkpoint), "--data", str(data))
         assert rc == 2 and err.count("\n") == 1 and needle in err and not_named not in err, err
+    # the rows' own column, named; a wrong name is the option's
+    rc, out, err = in_process(capsys, "evaluate", "--checkpoint", str(run_dir), "--data", str(tmp_path / "rows.jsonl"),
+                              "--text-column", "nope")
+    assert rc == 2 and "--text-column 'nope' is not a column of files" in err and "['body']" in err, err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"body": p.read_text()}) + "\n" for p in sorted(corpus.rglob("*.py"))[:20]))
+    rc, out, err = in_process(capsys, "evaluate", "--checkpoint", str(run_dir), "--data", str(rows),
+                              "--text-column", "body", "--json")
+    assert rc == 0 and json.loads(out)["batches"] > 0, err
 
 
 def test_evaluate_and_export_print_only_their_result_on_stdout(run_dir, corpus, tmp_path):

@@ -3,12 +3,13 @@
 # usage: . launch/preflight.sh      (from a launcher, after cd to the repository, its venv on PATH)
 #   comera_check_run NAME N ARGS...    comera pretrain --dry-run --world-size N ARGS (keys, values, the batch)
 #   comera_check_run NAME "" ARGS...   comera pretrain --check-config ARGS (the world size is not known yet)
+#   comera_require_env NAME            only the first part: the python on PATH has torch and comera_dist
 # The trainer's output is dropped; its one-line refusal reaches stderr, and NAME's line says what follows.
 # Returns 0 when the trainer accepts the run, else the launcher's exit status: 1 the python on PATH cannot import
 # torch or comera_dist (launch/setup.sh makes .venv with both), 2 the trainer refused it, else the check's own.
 # Run (not sourced) it only prints this header: --help exits 0, anything else 2 (its function would be lost).
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  case "${1:-}" in -h|--help) sed -n '2,9p' "$0"; exit 0 ;; *) sed -n '2,9p' "$0" >&2; exit 2 ;; esac
+  case "${1:-}" in -h|--help) sed -n '2,10p' "$0"; exit 0 ;; *) sed -n '2,10p' "$0" >&2; exit 2 ;; esac
 fi
 
 # Looked up, not imported (milliseconds), from launch/: for `python launch/train.py` that directory, not the
@@ -18,9 +19,8 @@ lacks = [name for name in ("torch", "comera_dist") if importlib.util.find_spec(n
 print(" and ".join(lacks), sys.executable, sep="\n") if lacks else None
 sys.exit(1 if lacks else 0)'
 
-comera_check_run() {
-  local name=$1 world=$2 lacks rc=0 check refused
-  shift 2
+comera_require_env() {  # NAME: 0, or 1 with one line when the python on PATH cannot run the trainer
+  local name=$1 lacks
   # A missing environment is not a refused config: without this the trainer's ImportError read as one.
   if ! command -v python >/dev/null; then
     echo "$name: no python on PATH: ./launch/setup.sh sets up .venv (torch and comera-dist); nothing started" >&2
@@ -31,6 +31,12 @@ comera_check_run() {
          "./launch/setup.sh sets up .venv with torch and comera-dist, which the launchers use; nothing started" >&2
     return 1
   fi
+}
+
+comera_check_run() {
+  local name=$1 world=$2 rc=0 check refused
+  shift 2
+  comera_require_env "$name" || return
   if [ -n "$world" ]; then
     check="comera pretrain --dry-run" refused="refused this run"
     python launch/train.py --dry-run --world-size "$world" "$@" > /dev/null || rc=$?

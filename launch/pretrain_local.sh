@@ -18,6 +18,8 @@ cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-configs/codebert-tiny-cpu.yaml}
 . launch/accelerator.sh   # DS_ACCELERATOR: cuda on a GPU node, cpu otherwise or when asked
+. launch/preflight.sh     # comera_require_env: no venv is one line, exit 1 (not a traceback or "deepspeed: not found")
+comera_require_env pretrain_local.sh || exit
 NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || echo 2)}
 MASTER_PORT=${MASTER_PORT:-29500}
 

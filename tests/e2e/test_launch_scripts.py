@@ -187,7 +187,9 @@ def test_slurm_dry_run_needs_no_gpu_and_a_real_run_says_what_is_missing(tmp_path
 @pytest.mark.parametrize("venv", ["none", "without torch"])
 @pytest.mark.parametrize("args", [["slurm/pretrain.sh", "--dry-run", TINY], ["slurm/pretrain.sh", TINY],
                                   ["launch/torchrun.sh", "--dry-run", "--config", TINY],
-                                  ["launch/mpirun.sh", "--dry-run", "--config", TINY]], ids=" ".join)
+                                  ["launch/mpirun.sh", "--dry-run", "--config", TINY],
+                                  ["launch/pretrain_local.sh", "--dry-run"], ["launch/pretrain_local.sh"]],
+                         ids=" ".join)
 def test_a_python_without_torch_is_a_missing_environment_not_a_refused_config(args, venv, tmp_path):
     """Without launch/setup.sh's .venv the trainer's check died on its ImportError, which pretrain.sh reported as
     a refused config (exit 2). The python it picks is named, exit 1, and nothing starts."""

@@ -89,7 +89,16 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> 
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{label}: {e}") from e
+        raise ConfigError(_in_section(where, label, str(e))) from e
+
+
+def _in_section(where: str, label: str, message: str) -> str:
+    """A section's own check, placed: one that names its key from the section (``tensorize.max_rank must ...``)
+    gets the full dotted key (``comera.tensorize.max_rank must ...``), any other the section's label."""
+    short = where.rsplit(".", 1)[-1]
+    if where and message.startswith(f"{short}."):
+        return where + message[len(short):]
+    return f"{label}: {message}"
 
 
 def to_dict(obj: Any) -> Any:

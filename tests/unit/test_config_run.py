@@ -80,9 +80,11 @@ def test_seq_len_beyond_positions(tmp_path):
     ("train.log_every=0", "train.log_every must be >= 1, got 0"),
     ("train.checkpoint_every=-1", "train.checkpoint_every must be >= 0, got -1"),
     ("train.process_group_timeout_s=0", "train.process_group_timeout_s must be > 0, got 0"),
-    ("deepspeed.scheduler.warmup_steps=-1", "scheduler.warmup_steps must be >= 0, got -1"),
-    ("deepspeed.scheduler.warmup_min_ratio=1.5", "scheduler.warmup_min_ratio must be in [0, 1], got 1.5"),
-    ("deepspeed.scheduler.min_ratio=-0.1", "scheduler.min_ratio must be in [0, 1], got -0.1"),
+    ("deepspeed.scheduler.warmup_steps=-1", "deepspeed.scheduler.warmup_steps must be >= 0, got -1"),
+    ("deepspeed.scheduler.warmup_min_ratio=1.5", "deepspeed.scheduler.warmup_min_ratio must be in [0, 1], got 1.5"),
+    ("deepspeed.scheduler.min_ratio=-0.1", "deepspeed.scheduler.min_ratio must be in [0, 1], got -0.1"),
+    ("comera.tensorize.max_rank=0", "comera.tensorize.max_rank must be >= 1, got 0"),
+    ("comera.pruning.min_rank=0", "comera.pruning.min_rank must be >= 1, got 0"),
     ("deepspeed.adam_betas=[0.9, 1.0]", "deepspeed.adam_betas must be two numbers in [0, 1), got [0.9, 1.0]"),
     ("deepspeed.adam_eps=0", "deepspeed.adam_eps must be > 0, got 0"),
     ("deepspeed.gradient_clipping=-1", "deepspeed.gradient_clipping must be >= 0, got -1"),
@@ -91,8 +93,11 @@ def test_seq_len_beyond_positions(tmp_path):
     ("deepspeed.micro_batch_size_per_gpu=0", "deepspeed.micro_batch_size_per_gpu must be >= 1 or null, got 0"),
 ])
 def test_out_of_range_values_name_their_key(tmp_path, setting, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    """By its full dotted key, once: a section's check names its key from the section (``scheduler.warmup_steps``),
+    and the message said the section twice (``deepspeed.scheduler: scheduler.warmup_steps ...``)."""
+    with pytest.raises(ConfigError) as e:
         load_run_config(_write(tmp_path), [setting])
+    assert f"--set {setting}: {message}" in str(e.value), str(e.value)
 
 
 def test_compile_is_refused_at_zero3(tmp_path):

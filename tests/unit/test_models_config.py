@@ -28,5 +28,5 @@ def test_yaml_section_round_trip_and_strict_keys():
     assert cfg.head_dim == 8 and from_dict(ModelConfig, to_dict(cfg), "model") == cfg
     with pytest.raises(ConfigError, match="did you mean 'num_heads'"):
         from_dict(ModelConfig, {**data, "num_head": 4}, "model")
-    with pytest.raises(ConfigError, match="model: model.hidden_size"):
+    with pytest.raises(ConfigError, match=r"^model\.hidden_size \(32\) must be divisible by model\.num_heads \(5\)"):
         from_dict(ModelConfig, {**data, "num_heads": 5}, "model")

@@ -500,14 +500,17 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
-    """Raise ``CheckpointError`` naming every config key whose value differs from the checkpoint's."""
+    """Raise ``CheckpointError`` naming every config key whose value differs from the checkpoint's, and the two
+    ways on (its own config, or another output directory for this one)."""
     saved = _flatten(meta.get("identity", {}))
     ours = _flatten(identity)
     diffs = [f"{key}: checkpoint {saved.get(key)!r} vs config {ours.get(key)!r}"
              for key in sorted(set(saved) | set(ours)) if saved.get(key) != ours.get(key)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} was written by an incompatible config (model dimensions or "
-                              "tensorization differ):\n  " + "\n  ".join(diffs))
+                              "tensorization differ):\n  " + "\n  ".join(diffs) + f"\nresume it with the config "
+                              f"that wrote it ({Path(path) / CONFIG}), or train this config in another "
+                              "train.output_dir")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -18,6 +18,8 @@ def test_incompatible_identity_names_every_key(tmp_path):
                                       "tensorize": {"num_cores": 6}}, tmp_path)
     assert "model.hidden_size: checkpoint 16 vs config 32" in str(e.value)
     assert "tensorize.num_cores: checkpoint 4 vs config 6" in str(e.value)
+    assert str(e.value).endswith(f"\nresume it with the config that wrote it ({tmp_path / 'config.yaml'}), or train "
+                                 "this config in another train.output_dir"), str(e.value)
 
 
 class Payload:

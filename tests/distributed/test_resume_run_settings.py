@@ -42,52 +42,54 @@ def _settings(session) -> dict:
             "switch": (session.controller.state.size_at_switch, session.controller.state.target_size)}
 
 
-def _run(rank: int, world_size: int, outdir: str) -> dict:
-    from comera_dist.engine.distributed import init_distributed
+def _session(outdir: str, overrides: list[str], stage: int, world_size: int, *, resume: bool):
     from comera_dist.engine.model_factory import build_run_model
     from comera_dist.engine.session import TrainSession
 
-    init_distributed(60)
-    out = {}
-    cfg = _config(outdir, WRITTEN, 1)
+    cfg = _config(outdir, overrides, stage)
     s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
-    s.train_step([batch(1, rank)])
-    out["written"] = _settings(s)
-    s.save(1)
+    if resume:
+        s.resume("auto")
+    return s
+
+
+def _write(outdir: str, overrides: list[str], steps: int, rank: int, world_size: int) -> dict:
+    """Train ``steps`` steps at ZeRO 1 and checkpoint them; the settings the writing session had."""
+    s = _session(outdir, overrides, 1, world_size, resume=False)
+    for i in range(1, steps + 1):
+        s.train_step([batch(i, rank)])
+    written = _settings(s)
+    s.save(steps)
     s.close()
+    return written
+
+
+def _groups(s) -> dict:
+    return {g["name"]: (g["lr"], g["weight_decay"]) for g in s.engine.optimizer.param_groups}
+
+
+def _run(rank: int, world_size: int, outdir: str) -> dict:
+    from comera_dist.engine.distributed import init_distributed
+
+    init_distributed(60)
+    out = {"written": _write(outdir, WRITTEN, 1, rank, world_size)}
     for name, overrides, stage in (("same", WRITTEN, 1), ("changed", RESUMED, 1), ("changed_elastic", RESUMED, 2),
                                    ("changed_zero3", RESUMED, 3)):
-        cfg = _config(outdir, overrides, stage)
-        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
-        s.resume("auto")
+        s = _session(outdir, overrides, stage, world_size, resume=True)
         out[name] = _settings(s)
         out[name]["loss"] = s.train_step([batch(2, rank)]).task_loss  # the resumed session trains
         s.close()
     scheduled = outdir + "-scheduled"
-    cfg = _config(scheduled, SCHEDULED, 1)
-    s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
-    for i in range(1, 6):
-        s.train_step([batch(i, rank)])
-    s.save(5)
-    s.close()
+    _write(scheduled, SCHEDULED, 5, rank, world_size)
     for name, stage in (("scheduled", 1), ("scheduled_elastic", 2)):
-        cfg = _config(scheduled, [*SCHEDULED, "comera.lr.weight_decay=0.05"], stage)
-        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
-        s.resume("auto")
-        out[name] = {g["name"]: (g["lr"], g["weight_decay"]) for g in s.engine.optimizer.param_groups}
+        s = _session(scheduled, [*SCHEDULED, "comera.lr.weight_decay=0.05"], stage, world_size, resume=True)
+        out[name] = _groups(s)
         s.close()
     constant = outdir + "-constant"  # the same 5 steps without a scheduler, resumed with one
-    cfg = _config(constant, ["train.steps=10"], 1)
-    s = TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=world_size)
-    for i in range(1, 6):
-        s.train_step([batch(i, rank)])
-    s.save(5)
-    s.close()
+    _write(constant, ["train.steps=10"], 5, rank, world_size)
     for name, stage in (("scheduler_added", 1), ("scheduler_added_elastic", 2)):
-        cfg = _config(constant, SCHEDULED, stage)
-        s = TrainSession.create(cfg, lambda c=cfg: build_run_model(c), world_size=world_size)
-        s.resume("auto")
-        out[name] = {g["name"]: g["lr"] for g in s.engine.optimizer.param_groups}
+        s = _session(constant, SCHEDULED, stage, world_size, resume=True)
+        out[name] = {role: lr for role, (lr, _) in _groups(s).items()}
         out[name]["loss"] = s.train_step([batch(6, rank)]).task_loss
         s.close()
     return out

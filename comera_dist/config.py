@@ -202,9 +202,14 @@ def check_local_inputs(cfg: RunConfig) -> None:
     resume = cfg.train.resume
     # A requeued Slurm job (slurm/pretrain.sh checks at every start) resumes its own newest checkpoint instead
     # (checkpoint.requeued_spec), and its retention may have deleted the one named here by then.
-    requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
-    if resume not in ("auto", "none") and not requeued and not Path(resume).expanduser().exists():
+    if resume not in ("auto", "none") and not slurm_restarts() and not Path(resume).expanduser().exists():
         raise ConfigError(f"train.resume={resume}: no such checkpoint or run directory (auto, none or a path)")
+
+
+def slurm_restarts() -> int:
+    """How often Slurm has requeued this job (``SLURM_RESTART_COUNT``; 0 outside Slurm or unreadable)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return int(raw) if raw.isdigit() else 0
 
 
 def _check_directory_path(key: str, path: Path) -> None:

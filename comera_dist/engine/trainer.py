@@ -31,7 +31,7 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
-from comera_dist.config import RunConfig, check_pretrainable, check_world_size, run_warnings
+from comera_dist.config import RunConfig, check_pretrainable, check_world_size, run_warnings, slurm_restarts
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
@@ -129,8 +129,7 @@ def _restore(session: TrainSession, data: RunData, guard: NonFiniteGuard, spec: 
 
 def _requeued(cfg: RunConfig, resume: str, rank: int) -> str:
     """``resume``, or ``auto`` in a requeued Slurm job that has written a checkpoint (``checkpoint.requeued_spec``)."""
-    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
-    restarts = int(raw) if raw.isdigit() else 0
+    restarts = slurm_restarts()
     spec = requeued_spec(resume, Path(cfg.train.output_dir) / "checkpoints", restarts, os.environ.get("SLURM_JOB_ID"))
     if spec != resume and rank == 0:
         log.warning("requeued job (SLURM_RESTART_COUNT=%d): resuming this job's newest checkpoint (--resume auto), "

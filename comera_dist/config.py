@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from comera_dist.compression.config import ComeraConfig
-from comera_dist.configbase import ConfigError, from_dict, load_yaml, to_dict
+from comera_dist.configbase import ConfigError, from_dict, load_yaml, nearest_existing, to_dict
 from comera_dist.data.config import DataConfig
 from comera_dist.engine.config import DeepSpeedSection, TrainConfig, solve_batch_sizes
 from comera_dist.metrics.config import MetricsConfig
@@ -215,11 +215,9 @@ def slurm_restarts() -> int:
 def _check_directory_path(key: str, path: Path) -> None:
     """``path`` is a directory or can become one: its nearest existing ancestor (or itself) is a directory. A run
     whose output directory is a file failed at the first write, on every rank, with a traceback."""
-    for at in (path, *path.parents):
-        if at.exists():
-            if not at.is_dir():
-                raise ConfigError(f"{key}={path}: {at} is a file, not a directory")
-            return
+    at = nearest_existing(path)
+    if not at.is_dir():
+        raise ConfigError(f"{key}={path}: {at} is a file, not a directory")
 
 
 def layer_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:

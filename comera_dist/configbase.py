@@ -66,6 +66,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (the root exists): where a directory at ``path`` would be made,
+    and which must be a directory for that (a file there failed at the first write, with a traceback)."""
+    return next(at for at in (path.absolute(), *path.absolute().parents) if at.exists())
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, checking keys and types recursively.
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from comera_dist.configbase import nearest_existing
+
 CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 """cuBLAS sizes its per-stream workspaces from these when it makes them (unset: torch's default)."""
 CUBLASLT_ENV = ("DISABLE_ADDMM_CUDA_LT", "TORCH_BLAS_PREFER_CUBLASLT")
@@ -42,8 +44,8 @@ def output_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a directory; give a file path")
-    at = next((a for a in path.absolute().parents if a.exists()), None)
-    if at is not None and not at.is_dir():
+    at = nearest_existing(path.parent)
+    if not at.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: {at} is a file, not a directory")
     return path
 

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.config import RunConfig, build_run_config
+from comera_dist.configbase import nearest_existing
 from comera_dist.data.collators import collator_for
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import eval_batches
@@ -239,7 +240,7 @@ def _check_out(out: Path) -> None:
     for a large model), and ``_publish_dir`` again at the write (``out`` may have appeared meanwhile)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out}: exists and is not an empty directory")
-    at = next(p for p in out.absolute().parents if p.exists())  # ends at the root, which exists
+    at = nearest_existing(out.parent)  # the export is made beside out and renamed into place
     if not at.is_dir():
         raise InputError(f"--out {out}: {at} is a file, not a directory")
     if not os.access(at, os.W_OK | os.X_OK):

@@ -51,7 +51,8 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                         "when comera pretrain would refuse the config, e.g. the six-encoder classifier)")
     p.add_argument("--check-config", action="store_true",
                    help="check the config (every key and value, the arch, the COMERA_* settings, the local files "
-                        "it names: data.files, data.tokenizer.pretrained, a --resume path) and exit, "
+                        "it names: data.files, data.tokenizer.pretrained, a --resume path; the checkpoint the run would "
+                        "resume, which must fit the config's model and tensorization) and exit, "
                         "without building the model or the batch arithmetic, which needs the world size "
                         "(--dry-run --world-size N checks that): status 0 when comera pretrain would take it, 2 "
                         "with one line naming the problem. For a node where the job's size is not known yet "
@@ -182,10 +183,11 @@ def _check_config(args: argparse.Namespace) -> int:
 
     cfg = _checked_config(args)
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
-    check_local_inputs(cfg)
+    target = check_local_inputs(cfg)
     _print_warnings(cfg)
-    print(f"comera pretrain: {args.config}: config accepted (the batch arithmetic is checked at the run's world "
-          "size: --dry-run --world-size N)")
+    start = f"resumes {target} if it verifies" if target is not None else "starts fresh"
+    print(f"comera pretrain: {args.config}: config accepted, {start} (the batch arithmetic is checked at the run's "
+          "world size: --dry-run --world-size N)")
     return 0
 
 

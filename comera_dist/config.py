@@ -182,11 +182,12 @@ def check_pretrainable(cfg: RunConfig) -> None:
         _check_directory_path(key, path)
 
 
-def check_local_inputs(cfg: RunConfig) -> None:
+def check_local_inputs(cfg: RunConfig) -> Path | None:
     """The local inputs a run reads once its ranks are up: ``data.files`` (``source: files``; each must exist and
-    the builder be inferable), ``data.tokenizer.pretrained`` and a ``train.resume`` path. ``--check-config`` and
-    ``--dry-run`` look on the submitting host (a cluster's shared filesystem), where a wrong path costs no queue
-    wait; the run finds them again itself."""
+    the builder be inferable), ``data.tokenizer.pretrained``, a ``train.resume`` path, and the checkpoint the run
+    would resume, which must fit the config (``_resume_target``; returned, None for a fresh start).
+    ``--check-config`` and ``--dry-run`` look on the submitting host (a cluster's shared filesystem), where a
+    wrong path costs no queue wait; the run finds them again itself."""
     from comera_dist.data import sources
     from comera_dist.data.errors import DataError
     from comera_dist.data.tokenizer import pretrained_dir
@@ -199,11 +200,31 @@ def check_local_inputs(cfg: RunConfig) -> None:
             pretrained_dir(data.tokenizer.pretrained)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    resume = cfg.train.resume
+    resume, restarts = cfg.train.resume, slurm_restarts()
     # A requeued Slurm job (slurm/pretrain.sh checks at every start) resumes its own newest checkpoint instead
     # (checkpoint.requeued_spec), and its retention may have deleted the one named here by then.
-    if resume not in ("auto", "none") and not slurm_restarts() and not Path(resume).expanduser().exists():
+    if resume not in ("auto", "none") and not restarts and not Path(resume).exists():
         raise ConfigError(f"train.resume={resume}: no such checkpoint or run directory (auto, none or a path)")
+    return _resume_target(cfg, restarts)
+
+
+def _resume_target(cfg: RunConfig, restarts: int) -> Path | None:
+    """The checkpoint the run would resume first (``checkpoint_layout.resume_candidate``), read only and checked
+    against ``cfg``: a changed ``model.hidden_size`` under ``resume auto`` was refused only once the ranks were
+    up, after a Slurm queue wait. None: a fresh start."""
+    from comera_dist.engine import checkpoint_layout as layout  # no torch or DeepSpeed: a login node's check
+
+    root = Path(cfg.train.output_dir) / "checkpoints"
+    spec = layout.requeued_spec(cfg.train.resume, root, restarts, os.environ.get("SLURM_JOB_ID"))
+    if restarts and spec not in ("auto", "none") and not Path(spec).exists():
+        return None  # the requeued job's own path, gone by retention: the job finds its way (trainer._requeued)
+    try:
+        found = layout.resume_candidate(spec, root)
+        if found is not None:
+            layout.check_compatible(found[1], layout.identity(cfg), found[0], one_line=True)
+    except layout.CheckpointError as e:
+        raise ConfigError(f"train.resume={spec}: {e}") from None
+    return found and found[0]
 
 
 def slurm_restarts() -> int:

@@ -4,7 +4,8 @@ Layout under ``<output_dir>/checkpoints``::
 
     step00000012/            one published checkpoint (DeepSpeed's per-rank files)
         comera_meta.json     shapes (pruning plans), config identity, step, world size, ZeRO stage,
-                             parameter layout, the roles packed into flat parameters (engine.packing)
+                             parameter layout, the roles packed into flat parameters (engine.packing),
+                             the Slurm job and the run tokenizer's digest (engine.checkpoint_layout reads it)
         comera_full_state.pt full fp32 weights + AdamW moments + schedule (elastic resume, see session)
         config.yaml          the resolved run config
         metrics_history.json rank 0's metrics history as of this step (the trainer's side file; the report)
@@ -54,34 +55,36 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from comera_dist.engine import manifest
+
+# the files' layout, re-exported: callers use ckpt.<name> for both
+from comera_dist.engine.checkpoint_layout import (  # noqa: F401
+    _TAG,
+    CONFIG,
+    FULL_STATE,
+    LATEST,
+    META,
+    PARAM_LAYOUT,
+    TMP_PREFIX,
+    CheckpointError,
+    _given_root,
+    _replaced,
+    candidates_auto,
+    check_compatible,
+    complete_checkpoints,
+    finish_interrupted,
+    identity,
+    is_complete,
+    latest_complete,
+    read_meta,
+    requeued_spec,
+    resolve,
+    resume_candidate,
+    step_of,
+    tag_for,
+)
 from comera_dist.engine.manifest import MARKER
 
 log = logging.getLogger(__name__)
-
-META = "comera_meta.json"
-CONFIG = "config.yaml"
-FULL_STATE = "comera_full_state.pt"
-PARAM_LAYOUT = 3
-"""The parameter layout a checkpoint's meta records (``param_layout``; absent means 1). 1: one gate
-``Parameter`` per bond (``<layer>.gates.<k>``) and one per core (``<layer>.cores.<k>``); 2: one gate
-vector per layer (``<layer>.gate``); 3: also one flat core parameter per layer (``<layer>.core``).
-DeepSpeed's own shards only load into the layout that wrote them; ``elastic.upgrade_layout``
-converts the consolidated state."""
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-_TAG = re.compile(r"^step(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or incompatible with this run; the message says which and why."""
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def step_of(path: Path) -> int:
-    return int(_TAG.match(Path(path).name).group(1))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -135,9 +138,6 @@ def _my_share(names: list[str]) -> list[str]:
     return names[rank::world]
 
 
-def _replaced(root: Path, tag: str) -> Path:
-    """Where a re-save keeps the copy of ``tag`` it replaces until the new one verified."""
-    return root / f"{TMP_PREFIX}replaced-{tag}"
 
 
 def _failed(root: Path, tag: str) -> Path:
@@ -266,91 +266,16 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     return removed
 
 
-def is_complete(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file() and (Path(path) / META).is_file()
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and is_complete(p)]
-    return sorted(found, key=step_of)
 
 
-def latest_complete(root: Path, *, finish: bool = True) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the newest complete one, else None.
-
-    ``finish=False`` only reads: a reader outside the job (``comera evaluate`` on a live run) must not
-    publish a half-renamed re-save, which would race the job's own rename and crash its save."""
-    done = candidates_auto(root, finish=finish)
-    return done[0] if done else None
 
 
-def finish_interrupted(root: Path) -> Path | None:
-    """Publish the checkpoint a crash left between two renames of a re-saved step: ``latest`` names a tag with
-    no directory while ``.tmp-<tag>`` holds its manifest marker (written once every file was on disk and
-    described), or else ``.tmp-replaced-<tag>`` holds the complete copy the re-save replaced (a crash while
-    ``save`` put it back after a failed read-back). Returns the published directory, None when there is
-    nothing to finish.
-
-    Safe on every rank at once: the rename is atomic, and a rank that loses the race finds the directory in
-    place. The files are verified like any other candidate's before a resume reads them."""
-    pointer = root / LATEST
-    tag = pointer.read_text().strip() if pointer.is_file() else ""
-    if not _TAG.match(tag) or (root / tag).exists():
-        return None
-    final, pending = root / tag, root / (TMP_PREFIX + tag)
-    if not (pending / MARKER).is_file():
-        pending = _replaced(root, tag)
-        if not is_complete(pending):
-            return None
-    try:
-        os.rename(pending, final)
-    except OSError as e:  # another rank published it first, or the directory is read-only
-        if not is_complete(final):
-            log.warning("checkpoint %s: a crash interrupted its publication, and %s could not be published: %s",
-                        final, pending.name, e)
-            return None
-    log.warning("checkpoint %s: a crash interrupted its publication after every file was written; published it "
-                "from %s", final, pending.name)
-    return final
 
 
-def candidates_auto(root: Path, *, finish: bool = True) -> list[Path]:
-    """Complete checkpoints under ``root`` to try, newest first (the one ``latest`` names leads, followed by
-    the copy of it a re-save replaced, if a crash left one); first publishes one that a crash left
-    half-renamed (``finish_interrupted``), unless ``finish=False``."""
-    root = Path(root)
-    if finish:
-        finish_interrupted(root)
-    done = complete_checkpoints(root)[::-1]
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in done:
-            done.remove(named)
-            replaced = _replaced(root, named.name)
-            done[:0] = [named, replaced] if is_complete(replaced) else [named]
-    return done
 
 
-def requeued_spec(spec: str, root: Path, restarts: int, job_id: str | None) -> str:
-    """The resume spec of Slurm job ``job_id`` requeued ``restarts`` times (``SLURM_RESTART_COUNT``): ``auto``
-    once this job has written a checkpoint under ``root`` (the one ``auto`` takes first records the job's id in
-    its meta, ``slurm_job_id``), whatever ``--resume`` the job was submitted with. A requeue runs the same
-    command, so ``none`` would start over and a checkpoint path would go back to it at every requeue, and the
-    job would never get past its time limit. Until the job's first checkpoint the spec stands: an older run's
-    checkpoints in the same directory are what ``none`` or a rewind to an earlier step chose to leave."""
-    if restarts < 1 or spec == "auto" or not job_id:
-        return spec
-    candidates = candidates_auto(root, finish=False)
-    try:
-        ours = bool(candidates) and read_meta(candidates[0]).get("slurm_job_id") == job_id
-    except CheckpointError:
-        ours = False  # unreadable: ``auto`` would skip it too; the spec stands
-    return "auto" if ours else spec
 
 
 def check(path: Path) -> list[str]:
@@ -420,12 +345,6 @@ def _log_incomplete(root: Path) -> None:
         log.warning("resume auto: skipping checkpoint %s, it is incomplete (no %s)", path, " or ".join(missing))
 
 
-def _given_root(path: Path) -> Path | None:
-    """The checkpoints root a resume path names, when it is not one checkpoint: a checkpoints root, or the run
-    directory above one (``train.output_dir``, which ``comera evaluate`` and ``export`` take too); else None."""
-    if not path.is_dir() or is_complete(path):
-        return None
-    return next((root for root in (path, path / "checkpoints") if candidates_auto(root)), None)
 
 
 def _reinstate(replaced: Path) -> Path:
@@ -441,23 +360,6 @@ def _reinstate(replaced: Path) -> Path:
     return replaced.parent / tag
 
 
-def resolve(spec: str, root: Path) -> Path | None:
-    """Rank-local, unverified lookup (no collective): ``none`` -> None; ``auto`` -> the latest complete
-    checkpoint under ``root`` (or None); else that path, which must be complete. ``choose`` verifies."""
-    if spec == "none":
-        return None
-    if spec == "auto":
-        return latest_complete(root)
-    path = Path(spec)
-    given = _given_root(path)
-    if given is not None:
-        return latest_complete(given)
-    if not path.is_dir():
-        raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
-    if not is_complete(path):
-        raise CheckpointError(f"resume: {path} is not a complete checkpoint (no {MARKER} marker or {META}); "
-                              "it was probably interrupted while saving")
-    return path
 
 
 # The only non-tensor classes DeepSpeed 0.19 pickles into its shards (found with
@@ -491,34 +393,7 @@ def read_full_state(path: Path) -> dict[str, Any]:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """The side metadata of a checkpoint (plain JSON, readable without DeepSpeed or pickle)."""
-    try:
-        return json.loads((Path(path) / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"resume: cannot read {Path(path) / META}: {e}") from e
 
 
-def check_compatible(meta: dict[str, Any], identity: dict[str, Any], path: Path) -> None:
-    """Raise ``CheckpointError`` naming every config key whose value differs from the checkpoint's, and the two
-    ways on (its own config, or another output directory for this one)."""
-    saved = _flatten(meta.get("identity", {}))
-    ours = _flatten(identity)
-    diffs = [f"{key}: checkpoint {saved.get(key)!r} vs config {ours.get(key)!r}"
-             for key in sorted(set(saved) | set(ours)) if saved.get(key) != ours.get(key)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {path} was written by an incompatible config (model dimensions or "
-                              "tensorization differ):\n  " + "\n  ".join(diffs) + f"\nresume it with the config "
-                              f"that wrote it ({Path(path) / CONFIG}), or train this config in another "
-                              "train.output_dir")
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out

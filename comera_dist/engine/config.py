@@ -8,6 +8,7 @@ x world_size``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -76,6 +77,10 @@ class TrainConfig:
             raise ValueError("train.output_dir must be a non-empty path, got ''")
         if not self.resume:
             raise ValueError("train.resume must be 'auto', 'none' or a checkpoint path, got ''")
+        # YAML and --set are not a shell: ~/runs would be a directory named "~" in the working directory
+        self.output_dir = os.path.expanduser(self.output_dir)
+        if self.resume not in ("auto", "none"):
+            self.resume = os.path.expanduser(self.resume)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,7 +23,6 @@ import yaml
 
 from comera_dist.compression.groups import role_settings
 from comera_dist.compression.pruning import PruningPlan
-from comera_dist.configbase import to_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import elastic
 from comera_dist.engine.hooks import PenaltyHook
@@ -35,26 +34,14 @@ if TYPE_CHECKING:
     from comera_dist.engine.session import TrainSession
 
 log = logging.getLogger(__name__)
-SHAPE_KEYS = ("arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-              "max_positions", "type_vocab_size", "num_labels", "tie_word_embeddings")
-"""The model config keys that fix parameter shapes: a checkpoint's must equal the resuming run's."""
-
-
-def identity(cfg) -> dict[str, Any]:
-    """The config values a checkpoint must share with the run loading it."""
-    model = to_dict(cfg.model)
-    tensorize = to_dict(cfg.comera.tensorize)
-    # Only what fixes parameter shapes: dropout, init scales etc. may change on resume.
-    return {"model": {k: model[k] for k in SHAPE_KEYS if k in model},
-            "tensorize": {k: v for k, v in tensorize.items() if k != "init"},
-            "comera_enabled": cfg.comera.enabled}
-
-
 def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
-         side_files: Mapping[str, str] | None = None, before_publish=None) -> Path | None:
+         side_files: Mapping[str, str] | None = None, meta_fields: Mapping[str, Any] | None = None,
+         before_publish=None) -> Path | None:
     """Checkpoint at ``step`` on every rank (collective); each rank's ``client_state`` (plain data,
     e.g. its loader position) rides along and comes back to that rank on resume. ``side_files``: rank 0's
-    extra files for the checkpoint's directory (``checkpoint.save``); ``resume`` returns the directory.
+    extra files for the checkpoint's directory (``checkpoint.save``); ``meta_fields``: plain JSON fields for its
+    meta, which readers take without unpickling anything (the run's tokenizer digest, checked by ``comera
+    evaluate`` and ``export``); ``resume`` returns the directory.
 
     Returns None, writing nothing, when a parameter or optimizer moment is non-finite: such a
     state is never published as the last good one. ``retain=False`` deletes no older checkpoint.
@@ -68,11 +55,12 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
     comera_state = {"step": step, "steps_done": session.steps_done, "nonfinite_total": session.nonfinite_total,
                     "controller": session.controller.state_dict(), "plans": [pl.to_json() for pl in session.plans],
                     "rng": rng, "world_size": session.world_size}
-    meta = {"identity": identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
+    meta = {"identity": ckpt.identity(session.cfg), "plans": [pl.to_json() for pl in session.plans],
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
             "precision": session.cfg.deepspeed.precision, "param_layout": ckpt.PARAM_LAYOUT,
             "packing": packed_roles(session.module), "packing_layout": packing_layout(session.module),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # a requeue of this job continues it (requeued_spec)
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),  # a requeue of this job continues it (requeued_spec)
+            **(meta_fields or {})}
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size
@@ -107,7 +95,7 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     if path is None:
         return None
     meta = ckpt.read_meta(path)
-    ckpt.check_compatible(meta, identity(session.cfg), path)
+    ckpt.check_compatible(meta, ckpt.identity(session.cfg), path)
     plans = [PruningPlan.from_json(text) for text in meta["plans"]]
     rank, stage, precision = dist.get_rank(), session.cfg.deepspeed.zero_stage, session.cfg.deepspeed.precision
     legacy = meta.get("param_layout", 1) < ckpt.PARAM_LAYOUT  # DeepSpeed's shards cannot load

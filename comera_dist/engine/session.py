@@ -490,15 +490,12 @@ class TrainSession:
     def checkpoint_root(self) -> Path:
         return Path(self.cfg.train.output_dir) / "checkpoints"
 
-    def identity(self) -> dict[str, Any]:
-        """The config values a checkpoint must share with the run loading it."""
-        return resume_mod.identity(self.cfg)
-
     def save(self, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
-             side_files: Mapping[str, str] | None = None, before_publish=None) -> Path | None:
+             side_files: Mapping[str, str] | None = None, meta_fields: Mapping[str, Any] | None = None,
+             before_publish=None) -> Path | None:
         """Checkpoint at ``step`` (collective); see ``engine.resume.save``."""
         return resume_mod.save(self, step, client_state, retain=retain, side_files=side_files,
-                               before_publish=before_publish)
+                               meta_fields=meta_fields, before_publish=before_publish)
 
     def resume(self, spec: str) -> dict[str, Any] | None:
         """Load ``auto`` | ``none`` | a checkpoint path (collective); see ``engine.resume.resume``."""

@@ -22,6 +22,7 @@ import pytest
 import torch
 from dist_helpers import LogLines, run_ranks
 
+from comera_dist import cli
 from comera_dist.engine.checkpoint import tag_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,12 +117,20 @@ def _resume_job(rank: int, world_size: int, outdir: str, steps: int, stage: int,
             "engines_alive": engines}
 
 
-def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path):
+def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path, capsys):
     """The README's job, requeued on fewer ranks and another ZeRO stage: no manual step, same global batch."""
     out = tmp_path / "run"
     first = run_ranks(_resume_job, tmp_path / "w1", str(out), 3, 1)
     assert [r["status"] for r in first] == [0, 0]
     assert all(r["group_left"] and r["engines_alive"] == 0 for r in first), first[0]["engines_alive"]
+
+    # --check-config reads the checkpoint a resume would load: the run's config fits it, another tensorization not
+    check = ["pretrain", "--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", f"train.output_dir={out}",
+             "--check-config"]
+    assert cli.main(check) == 0
+    assert f"resumes {out / 'checkpoints' / tag_for(3)} if it verifies" in capsys.readouterr().out
+    assert cli.main([*check, "--set", "comera.tensorize.max_rank=6"]) == cli.EXIT_BAD_INPUT
+    assert "tensorize.max_rank: checkpoint 8 vs config 6" in capsys.readouterr().err
     [again] = run_ranks(_resume_job, tmp_path / "w2", str(out), 6, 3, world_size=1)
     assert again["status"] == 0 and again["group_left"], again["log"][-10:]
     # nor at ZeRO 3, whose module-level references DeepSpeed's destroy() leaves (engine.build.destroy)

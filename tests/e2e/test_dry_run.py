@@ -259,9 +259,9 @@ def test_a_dry_run_names_a_missing_input_after_its_summary(capsys, tmp_path):
 
 
 def test_check_config_takes_existing_local_inputs(capsys, tmp_path):
-    (tmp_path / "ck").mkdir()
+    """A resume path is checked against the config (``test_check_config_resume.py``)."""
     rc = cli.main(["pretrain", "--config", "configs/tiny-cpu.yaml", "--set", "data.source=files", "--set",
-                   "data.files=[comera_dist/*.py]", "--resume", str(tmp_path / "ck"), "--check-config"])
+                   "data.files=[comera_dist/*.py]", "--set", f"train.output_dir={tmp_path / 'run'}", "--check-config"])
     assert rc == 0, capsys.readouterr().err
 
 

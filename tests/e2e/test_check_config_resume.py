@@ -1,0 +1,130 @@
+"""``comera pretrain --check-config``/``--dry-run`` against the checkpoint the run would resume
+(``config._resume_target``): a config it does not fit is refused before any rank starts (it was refused only
+once the ranks were up, after a Slurm queue wait), by reading only, without torch or DeepSpeed.
+
+The checkpoints here are the files that lookup reads (``COMPLETE``, ``comera_meta.json`` with the identity a
+run of the given config writes, ``latest``); ``tests/distributed/test_checkpoint_trainer.py`` runs the same
+check against a real run's checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comera_dist import cli
+from comera_dist.config import load_run_config
+from comera_dist.engine import checkpoint_layout as layout
+
+TINY = "configs/tiny-cpu.yaml"
+
+
+def _checkpoint(root: Path, step: int, *sets: str, job_id: str | None = None) -> Path:
+    """A published checkpoint's marker and meta, as a run of ``tiny-cpu.yaml`` with ``sets`` writes them."""
+    path = root / layout.tag_for(step)
+    path.mkdir(parents=True)
+    meta = {"identity": layout.identity(load_run_config(TINY, list(sets))), "step": step, "slurm_job_id": job_id}
+    (path / layout.META).write_text(json.dumps(meta))
+    (path / "COMPLETE").write_text("{}")
+    (root / layout.LATEST).write_text(path.name)
+    return path
+
+
+def _check(capsys, out_dir: Path, *args: str, mode: str = "--check-config") -> tuple[int, str, str]:
+    rc = cli.main(["pretrain", "--config", TINY, "--set", f"train.output_dir={out_dir}", *args, mode])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize("named", ["auto", "run", "root", "checkpoint"])
+@pytest.mark.parametrize("mode", ["--check-config", "--dry-run"])
+def test_a_config_the_checkpoint_does_not_fit_is_refused_before_the_run(named, mode, capsys, tmp_path):
+    """However ``--resume`` names it: ``auto`` under the output directory, a run directory, its checkpoints
+    directory, the checkpoint itself."""
+    run = tmp_path / "run"
+    ck = _checkpoint(run / "checkpoints", 3, "comera.tensorize.max_rank=6")
+    spec = {"auto": "auto", "run": str(run), "root": str(run / "checkpoints"), "checkpoint": str(ck)}[named]
+    rc, _, err = _check(capsys, run, "--resume", spec, mode=mode)
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert f"train.resume={spec}: checkpoint {ck} was written by an incompatible config" in err, err
+    assert "tensorize.max_rank: checkpoint 6 vs config 8" in err and "model." not in err, err
+    assert f"resume it with the config that wrote it ({ck / 'config.yaml'})" in err, err
+
+    rc, out, err = _check(capsys, run, "--resume", spec, "--set", "comera.tensorize.max_rank=6", mode=mode)
+    assert rc == 0, err
+    if mode == "--check-config":
+        assert f"config accepted, resumes {ck} if it verifies" in out, out
+
+
+def test_auto_checks_the_newest_checkpoint_whose_meta_reads(capsys, tmp_path):
+    """The run skips a checkpoint whose meta does not read (its manifest cannot match) and takes the next."""
+    root = tmp_path / "run" / "checkpoints"
+    old = _checkpoint(root, 3, "model.hidden_size=16", "comera.tensorize.modes={}")
+    new = _checkpoint(root, 6)
+    rc, out, err = _check(capsys, tmp_path / "run")
+    assert rc == 0 and f"resumes {new} if it verifies" in out, err
+    (new / layout.META).write_text("{not json")
+    rc, _, err = _check(capsys, tmp_path / "run")
+    assert rc == cli.EXIT_BAD_INPUT and f"checkpoint {old} was written by an incompatible config" in err, err
+    assert "model.hidden_size: checkpoint 16 vs config 32" in err, err
+
+
+def test_a_resume_path_that_is_no_checkpoint_is_refused(capsys, tmp_path):
+    """An empty directory: the run refused it at its start."""
+    (tmp_path / "empty").mkdir()
+    rc, _, err = _check(capsys, tmp_path / "run", "--resume", str(tmp_path / "empty"))
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert f"{tmp_path / 'empty'} is not a complete checkpoint" in err, err
+
+
+@pytest.mark.parametrize("job", ["7", "8"])
+def test_a_requeued_job_is_checked_against_its_own_newest_checkpoint(job, capsys, tmp_path, monkeypatch):
+    """A requeue resumes the job's own newest checkpoint whatever ``--resume`` it was submitted with
+    (``checkpoint.requeued_spec``); another job's checkpoints are what ``--resume none`` chose to leave."""
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    ck = _checkpoint(tmp_path / "run" / "checkpoints", 3, "comera.tensorize.max_rank=6", job_id="7")
+    rc, out, err = _check(capsys, tmp_path / "run", "--resume", "none")
+    if job == "7":
+        assert rc == cli.EXIT_BAD_INPUT and f"train.resume=auto: checkpoint {ck} was written by an incompatible" \
+            in err, err
+    else:
+        assert rc == 0 and "config accepted, starts fresh" in out, err
+
+
+def test_the_check_reads_only(capsys, tmp_path):
+    """A crash between a re-save's renames leaves ``latest`` naming ``.tmp-<tag>``; the run publishes it
+    (``finish_interrupted``), which a check must not do, as the run may be live and race its own rename."""
+    root = tmp_path / "run" / "checkpoints"
+    ck = _checkpoint(root, 3)
+    pending = root / (layout.TMP_PREFIX + layout.tag_for(6))
+    _checkpoint(root, 6).rename(pending)
+    before = sorted(p.name for p in root.iterdir())
+    rc, out, err = _check(capsys, tmp_path / "run")
+    assert rc == 0 and f"resumes {ck} if it verifies" in out, err
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_a_home_relative_output_directory_is_the_users(capsys, tmp_path, monkeypatch):
+    """``train.output_dir: ~/runs/x`` in YAML or ``--set`` is no shell word: it was a directory named ``~``."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ck = _checkpoint(tmp_path / "runs" / "x" / "checkpoints", 3)
+    rc = cli.main(["pretrain", "--config", TINY, "--set", "train.output_dir=~/runs/x", "--check-config"])
+    captured = capsys.readouterr()
+    assert rc == 0 and f"resumes {ck} if it verifies" in captured.out, captured.err
+    cfg = load_run_config(TINY, ["train.output_dir=~/runs/x", "train.resume=~/runs/x"])
+    assert cfg.train.output_dir == cfg.train.resume == str(tmp_path / "runs" / "x")
+
+
+def test_the_check_does_not_import_deepspeed(tmp_path):
+    """``--check-config`` runs on a login node: DeepSpeed's import alone prints its accelerator warning, and a
+    dry run's stdout is its JSON."""
+    _checkpoint(tmp_path / "run" / "checkpoints", 3)
+    code = ("import sys; from comera_dist import cli; "
+            f"rc = cli.main(['pretrain', '--config', {TINY!r}, '--set', 'train.output_dir={tmp_path / 'run'}', "
+            "'--check-config']); print(rc, 'deepspeed' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "resumes" in done.stdout and done.stdout.splitlines()[-1] == "0 False", (done.stdout, done.stderr)

@@ -31,8 +31,8 @@ from comera_dist.configbase import nearest_existing
 from comera_dist.data.collators import collator_for
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import eval_batches
-from comera_dist.data.prepare import check_compat, evaluation_corpus
-from comera_dist.data.tokenizer import load_tokenizer, save_export_tokenizer
+from comera_dist.data.prepare import evaluation_corpus
+from comera_dist.data.tokenizer import load_tokenizer, save_export_tokenizer, tokenizer_digest
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.device import batches_to_device
 from comera_dist.engine.errors import InputError
@@ -111,15 +111,37 @@ def _tokenizer_dir(path: Path, cfg: RunConfig) -> Path:
     return beside if beside.is_dir() else Path(cfg.train.output_dir) / "tokenizer"
 
 
-def _run_tokenizer(path: Path, cfg: RunConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer the run of checkpoint ``path`` saved. A missing one is an error naming where it was looked
-    for (``load_tokenizer``'s own names ``data.tokenizer.pretrained``, a setting evaluate does not have)."""
+def _run_tokenizer(path: Path, cfg: RunConfig, meta: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """The tokenizer the run of checkpoint ``path`` saved, checked against it (``_check_tokenizer``). A missing
+    one is an error naming where it was looked for (``load_tokenizer``'s own names ``data.tokenizer.pretrained``,
+    a setting evaluate does not have)."""
     where = _tokenizer_dir(path, cfg)
     if not where.is_dir():
         looked = " or ".join(str(p) for p in dict.fromkeys([path.parent.parent / "tokenizer", where]))
         raise InputError(f"checkpoint {path}: no run tokenizer at {looked}; copy the run's tokenizer/ "
                          "directory beside its checkpoints/")
-    return load_tokenizer(where)
+    try:
+        tokenizer = load_tokenizer(where)
+    except DataError as e:  # a damaged <run>/tokenizer
+        raise InputError(str(e)) from e
+    _check_tokenizer(path, where, tokenizer, cfg.model.vocab_size, meta)
+    return tokenizer
+
+
+def _check_tokenizer(path: Path, where: Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                     meta: dict[str, Any]) -> None:
+    """The tokenizer at ``where`` is the one checkpoint ``path`` was trained with: the sha256 its meta records
+    (``tokenizer_sha256``; checkpoints from before have none), and a vocabulary the model can index. A replaced
+    ``<run>/tokenizer`` gave an evaluation of other tokens' ids without a word, and an export shipped it."""
+    fix = f"put that run's own tokenizer/ directory at {where}"
+    saved, ours = meta.get("tokenizer_sha256"), tokenizer_digest(tokenizer)
+    if saved is not None and saved != ours:
+        raise InputError(f"checkpoint {path}: the tokenizer at {where} is not the one it was trained with (sha256 "
+                         f"{ours[:12]}, the checkpoint records {saved[:12]}), so its token ids would mean other "
+                         f"tokens; {fix}")
+    if len(tokenizer) > vocab_size:
+        raise InputError(f"checkpoint {path}: the tokenizer at {where} has {len(tokenizer)} tokens, more than the "
+                         f"model's vocab_size={vocab_size}: it is not the one the checkpoint was trained with; {fix}")
 
 
 def load_run(spec: str | Path) -> LoadedRun:
@@ -206,12 +228,11 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
     if max_batches is not None and max_batches < 1:
         raise InputError(f"--max-batches must be >= 1 (or left out for the whole corpus), got {max_batches}")
     path = locate(checkpoint)  # its config and tokenizer: the data first, so bad input fails before any weights
-    cfg, _ = _read(path)
+    cfg, meta = _read(path)
     column, setting = ((text_column, "--text-column") if text_column is not None else
                        (cfg.data.text_column, "the checkpoint's data.text_column (--text-column sets another)"))
+    tokenizer = _run_tokenizer(path, cfg, meta)
     try:
-        tokenizer = _run_tokenizer(path, cfg)
-        check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=tokenizer)
         blocks = evaluation_corpus(data, tokenizer, seq_len=cfg.data.seq_len, objective=cfg.data.objective,
                                    text_column=column, column_setting=setting,
                                    show_progress=sys.stderr.isatty(),  # a large corpus takes a while to read
@@ -283,6 +304,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "de
         raise InputError(f"--format {fmt!r} is not one of dense-hf, tt, consolidated")
     out = Path(out)
     _check_out(out)
+    path = locate(checkpoint)  # a replaced tokenizer is refused before any weights load
+    cfg, meta = _read(path)
+    if _tokenizer_dir(path, cfg).is_dir():  # exported with the model; an export without one is the model alone
+        _run_tokenizer(path, cfg, meta)
     run = load_run(checkpoint)
     with _publish_dir(out) as tmp:
         if fmt == "dense-hf":

@@ -82,7 +82,8 @@ def _checkpoint(session: TrainSession, data: RunData, step: int, guard: NonFinit
     client = {"step": step, "data_state": data.train.state_dict(), "nonfinite_steps_total": guard.total,
               "reason": reason, "tokenizer_sha256": data.tokenizer_digest}
     try:  # the history goes inside: a job resumed from this checkpoint continues the report from here
-        path = session.save(step, client, retain=retain, side_files=metrics.history_files(step))
+        path = session.save(step, client, retain=retain, side_files=metrics.history_files(step),
+                            meta_fields={"tokenizer_sha256": data.tokenizer_digest})
     except Exception:
         metrics.checkpoint_saved(False, step)
         raise

@@ -179,6 +179,53 @@ def test_evaluate_bad_data_names_what_evaluate_can_change(run_dir, corpus, tmp_p
     assert rc == 0 and json.loads(out)["batches"] > 0, err
 
 
+def _beside(run_dir: Path, where: Path, *, tokens: tuple[str, ...] = (), swap: bool = False) -> Path:
+    """The run's newest checkpoint under ``where`` with the run's tokenizer beside it, changed: ``tokens``
+    added (a larger vocabulary) or two ids swapped (the same size, other ids)."""
+    import shutil
+
+    from comera_dist.data.tokenizer import load_tokenizer
+
+    ck = where / "checkpoints" / "step00000006"
+    shutil.copytree(run_dir / "checkpoints" / "step00000006", ck)
+    tok = load_tokenizer(run_dir / "tokenizer")
+    tok.add_tokens(list(tokens))
+    tok.save_pretrained(where / "tokenizer")
+    if swap:
+        file = where / "tokenizer" / "tokenizer.json"
+        spec = json.loads(file.read_text())
+        vocab = spec["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[300:302]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        file.write_text(json.dumps(spec))
+    return ck
+
+
+def test_evaluate_and_export_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(run_dir, corpus, tmp_path,
+                                                                                     capsys):
+    """A replaced ``<run>/tokenizer`` gave an evaluation of other tokens' ids without a word, and an export
+    shipped it. The checkpoint's meta records its run's tokenizer digest; one without it (an older checkpoint)
+    still refuses a vocabulary the model cannot index, naming the tokenizer, not ``model.vocab_size``."""
+    meta = json.loads((run_dir / "checkpoints" / "step00000006" / "comera_meta.json").read_text())
+    from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
+
+    assert meta["tokenizer_sha256"] == tokenizer_digest(load_tokenizer(run_dir / "tokenizer"))
+    swapped = _beside(run_dir, tmp_path / "swapped", swap=True)
+    larger = _beside(run_dir, tmp_path / "larger", tokens=tuple(f"tok{i}" for i in range(8)))
+    old_meta = larger / "comera_meta.json"
+    old_meta.write_text(json.dumps({k: v for k, v in json.loads(old_meta.read_text()).items()
+                                    if k != "tokenizer_sha256"}))
+    cases = ((swapped, f"the tokenizer at {tmp_path / 'swapped' / 'tokenizer'} is not the one it was trained with"),
+             (larger, (f"the tokenizer at {tmp_path / 'larger' / 'tokenizer'} has 520 tokens, more than the model's "
+                       "vocab_size=512")))
+    for ck, needle in cases:
+        rc, _, err = in_process(capsys, "evaluate", "--checkpoint", str(ck.parent.parent), "--data", str(corpus))
+        assert rc == 2 and err.count("\n") == 1 and needle in err and "set model.vocab_size" not in err, err
+        out = tmp_path / f"export-{ck.parent.parent.name}"
+        rc, _, err = in_process(capsys, "export", "--checkpoint", str(ck), "--out", str(out))
+        assert rc == 2 and needle in err and not out.exists(), err
+
+
 def test_evaluate_and_export_print_only_their_result_on_stdout(run_dir, corpus, tmp_path):
     """As scripts call them (a fresh process, no DS_ACCELERATOR): DeepSpeed's logger writes to stdout, its
     accelerator warning at import and zero_to_fp32's progress; they go to stderr."""

@@ -201,11 +201,13 @@ def test_recompute_factors_needs_activation_checkpointing():
         dataclasses.replace(CFG, recompute_factors=True)
 
 
-def test_each_recomputed_block_runs_on_the_factors_it_contracted(monkeypatch):
-    """With ``recompute_factors`` each block hands its layers the grouped factors it contracted
-    (``shared_factors(block)``), in its forward and its recomputation: no TT layer of a block contracts its own
-    cores (same gradients, more ops), and every FFN is the fused one, which needs both layers' factors."""
-    _, model = _pair("bert_mlm", SPEC, factors=True)
+@pytest.mark.parametrize("factors", [False, True], ids=["model-factors", "recompute-factors"])
+def test_each_recomputed_block_runs_on_the_factors_it_contracted(factors, monkeypatch):
+    """Each block hands its layers grouped factors, in its forward and its recomputation: the model's (contracted
+    once before the blocks), or with ``recompute_factors`` the ones it contracted itself (``shared_factors(block)``).
+    No TT layer of a block contracts its own cores (same gradients, more ops), and every FFN is the fused one,
+    which needs both layers' factors."""
+    _, model = _pair("bert_mlm", SPEC, factors=factors)
     own: list[str] = []
     for i, block in enumerate(model.blocks):
         for name, layer in block.named_modules():

@@ -73,6 +73,20 @@ def latest_complete(root: Path, *, finish: bool = True) -> Path | None:
     return done[0] if done else None
 
 
+def interrupted(root: Path) -> Path | None:
+    """The directory ``finish_interrupted`` would publish under ``root`` (``.tmp-<tag>`` or
+    ``.tmp-replaced-<tag>`` of the tag ``latest`` names), found without renaming it; None when there is none."""
+    pointer = root / LATEST
+    tag = pointer.read_text().strip() if pointer.is_file() else ""
+    if not _TAG.match(tag) or (root / tag).exists():
+        return None
+    pending = root / (TMP_PREFIX + tag)
+    if (pending / MARKER).is_file():
+        return pending
+    replaced = _replaced(root, tag)
+    return replaced if is_complete(replaced) else None
+
+
 def finish_interrupted(root: Path) -> Path | None:
     """Publish the checkpoint a crash left between two renames of a re-saved step: ``latest`` names a tag with
     no directory while ``.tmp-<tag>`` holds its manifest marker (written once every file was on disk and
@@ -82,15 +96,10 @@ def finish_interrupted(root: Path) -> Path | None:
 
     Safe on every rank at once: the rename is atomic, and a rank that loses the race finds the directory in
     place. The files are verified like any other candidate's before a resume reads them."""
-    pointer = root / LATEST
-    tag = pointer.read_text().strip() if pointer.is_file() else ""
-    if not _TAG.match(tag) or (root / tag).exists():
+    pending = interrupted(root)
+    if pending is None:
         return None
-    final, pending = root / tag, root / (TMP_PREFIX + tag)
-    if not (pending / MARKER).is_file():
-        pending = _replaced(root, tag)
-        if not is_complete(pending):
-            return None
+    final = root / pending.name.removeprefix(f"{TMP_PREFIX}replaced-").removeprefix(TMP_PREFIX)
     try:
         os.rename(pending, final)
     except OSError as e:  # another rank published it first, or the directory is read-only
@@ -144,7 +153,8 @@ def _given_root(path: Path, *, finish: bool = True) -> Path | None:
     ``finish=False`` only reads (``candidates_auto``)."""
     if not path.is_dir() or is_complete(path):
         return None
-    return next((root for root in (path, path / "checkpoints") if candidates_auto(root, finish=finish)), None)
+    return next((root for root in (path, path / "checkpoints")
+                 if candidates_auto(root, finish=finish) or interrupted(root)), None)
 
 
 def resolve(spec: str, root: Path, *, finish: bool = True) -> Path | None:
@@ -179,7 +189,8 @@ def resume_candidate(spec: str, root: Path) -> tuple[Path, dict[str, Any]] | Non
     if given is None:
         found = resolve(spec, root, finish=False)  # one checkpoint: it must be complete and its meta read
         return found, read_meta(found)
-    for candidate in candidates_auto(given, finish=False):
+    pending = interrupted(given)  # the run publishes it first (finish_interrupted); a check only reads
+    for candidate in ([pending] if pending else []) + candidates_auto(given, finish=False):
         try:
             return candidate, read_meta(candidate)
         except CheckpointError:

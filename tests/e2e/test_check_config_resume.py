@@ -95,16 +95,21 @@ def test_a_requeued_job_is_checked_against_its_own_newest_checkpoint(job, capsys
         assert rc == 0 and "config accepted, starts fresh" in out, err
 
 
-def test_the_check_reads_only(capsys, tmp_path):
-    """A crash between a re-save's renames leaves ``latest`` naming ``.tmp-<tag>``; the run publishes it
-    (``finish_interrupted``), which a check must not do, as the run may be live and race its own rename."""
+@pytest.mark.parametrize("named", ["auto", "run"])
+@pytest.mark.parametrize("older", [True, False], ids=["beside-an-older-one", "alone"])
+def test_a_checkpoint_a_crash_left_unpublished_is_checked_and_left_in_place(named, older, capsys, tmp_path):
+    """A crash between a re-save's renames leaves ``latest`` naming a tag whose complete copy is ``.tmp-<tag>``.
+    The run publishes it and resumes it (``finish_interrupted``); a check reads it where it is, as the run may be
+    live and race its own rename."""
     root = tmp_path / "run" / "checkpoints"
-    ck = _checkpoint(root, 3)
+    if older:
+        _checkpoint(root, 3, "comera.tensorize.max_rank=6")  # what the run would not resume
     pending = root / (layout.TMP_PREFIX + layout.tag_for(6))
     _checkpoint(root, 6).rename(pending)
     before = sorted(p.name for p in root.iterdir())
-    rc, out, err = _check(capsys, tmp_path / "run")
-    assert rc == 0 and f"resumes {ck} if it verifies" in out, err
+    spec = "auto" if named == "auto" else str(tmp_path / "run")
+    rc, out, err = _check(capsys, tmp_path / "run", "--resume", spec)
+    assert rc == 0 and f"resumes {pending} if it verifies" in out, err
     assert sorted(p.name for p in root.iterdir()) == before
 
 

@@ -167,12 +167,17 @@ def _dry_run(args: argparse.Namespace) -> int:
     cfg = _checked_config(args, world_size)
     _print_warnings(cfg)
     summary = run_summary(cfg, world_size=world_size)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    refused, target = None, None
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
         check_pretrainable(cfg)
-        check_local_inputs(cfg)
+        target = check_local_inputs(cfg)
     except ConfigError as e:
-        print(f"comera pretrain: error: {e} (the summary above is for inspection only)", file=sys.stderr)
+        refused = e
+    if refused is None:  # what a refused config's run would resume is moot
+        summary["resume"] = None if target is None else str(target)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if refused is not None:
+        print(f"comera pretrain: error: {refused} (the summary above is for inspection only)", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 

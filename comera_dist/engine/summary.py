@@ -129,6 +129,9 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append(f"  {kind:<9} x{e['count']:<3} TT params {e['active_params']:>12,} "
                          f"(each {', '.join(f'{v:,}' for v in each)}) vs dense {e['dense_params']:,}")
     lines.append(f"  encoder TT params {s['encoder_tt_params']:,} vs dense {s['encoder_dense_params']:,}")
+    if "resume" in s:  # the dry run's: the sizes above are the config's, a pruned checkpoint's are smaller
+        lines.append(f"resumes {s['resume']} if it verifies (at its own, possibly pruned, ranks)" if s["resume"]
+                     else "starts fresh (no checkpoint to resume)")
     lines.append("DeepSpeed config:")
     lines.append(json.dumps(s["deepspeed"], indent=2))
     return "\n".join(lines)

@@ -57,6 +57,21 @@ def test_a_config_the_checkpoint_does_not_fit_is_refused_before_the_run(named, m
     assert rc == 0, err
     if mode == "--check-config":
         assert f"config accepted, resumes {ck} if it verifies" in out, out
+    else:
+        assert f"\nresumes {ck} if it verifies (at its own, possibly pruned, ranks)\n" in out, out
+
+
+def test_a_dry_runs_json_names_the_checkpoint_it_would_resume(capsys, tmp_path):
+    """Its sizes are the config's; a pruned checkpoint's are smaller."""
+    rc, out, err = _check(capsys, tmp_path / "run", "--json", mode="--dry-run")
+    assert rc == 0 and json.loads(out)["resume"] is None, err
+    ck = _checkpoint(tmp_path / "run" / "checkpoints", 3)
+    rc, out, err = _check(capsys, tmp_path / "run", "--json", mode="--dry-run")
+    assert rc == 0 and json.loads(out)["resume"] == str(ck), err
+    rc, out, err = _check(capsys, tmp_path / "run", "--json", "--set", "model.hidden_size=16", "--set",
+                          "comera.tensorize.modes={}", mode="--dry-run")
+    assert rc == cli.EXIT_BAD_INPUT and "model.hidden_size: checkpoint 32 vs config 16" in err, err
+    assert "resume" not in json.loads(out)  # refused: moot
 
 
 def test_auto_checks_the_newest_checkpoint_whose_meta_reads(capsys, tmp_path):

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from comera_dist.engine.session import TrainSession
 
 log = logging.getLogger(__name__)
+OWN_META = frozenset({"identity", "plans", "world_size", "zero_stage", "precision", "param_layout", "packing",
+                      "packing_layout", "slurm_job_id", "step", "tag"})
+"""The keys ``save`` and ``checkpoint.save`` write into a checkpoint's meta, which ``meta_fields`` may not replace."""
 def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | None = None, *, retain: bool = True,
          side_files: Mapping[str, str] | None = None, meta_fields: Mapping[str, Any] | None = None,
          before_publish=None) -> Path | None:
@@ -50,6 +53,10 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
         resolved_dict,  # config imports engine.config; avoid the cycle at import
     )
 
+    clash = sorted(set(meta_fields or ()) & OWN_META)
+    if clash:  # before any collective: every rank raises alike
+        raise ValueError(f"resume.save: meta_fields may not replace the checkpoint's own {clash}")
+
     rng = [None] * session.world_size
     dist.all_gather_object(rng, rng_state())
     comera_state = {"step": step, "steps_done": session.steps_done, "nonfinite_total": session.nonfinite_total,
@@ -59,8 +66,8 @@ def save(session: TrainSession, step: int, client_state: Mapping[str, Any] | Non
             "world_size": session.world_size, "zero_stage": session.cfg.deepspeed.zero_stage,
             "precision": session.cfg.deepspeed.precision, "param_layout": ckpt.PARAM_LAYOUT,
             "packing": packed_roles(session.module), "packing_layout": packing_layout(session.module),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),  # a requeue of this job continues it (requeued_spec)
-            **(meta_fields or {})}
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}  # a requeue of this job continues it (requeued_spec)
+    meta.update(meta_fields or {})
     # DeepSpeed writes client_state from data-parallel rank 0 only (ZeRO 0-2), so every rank's
     # own dict is gathered here and each rank gets its own back on resume.
     clients: list[Any] = [None] * session.world_size

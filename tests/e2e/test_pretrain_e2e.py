@@ -208,8 +208,12 @@ def test_evaluate_and_export_refuse_a_tokenizer_the_checkpoint_was_not_trained_w
     still refuses a vocabulary the model cannot index, naming the tokenizer, not ``model.vocab_size``."""
     meta = json.loads((run_dir / "checkpoints" / "step00000006" / "comera_meta.json").read_text())
     from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
+    from comera_dist.engine import resume
 
     assert meta["tokenizer_sha256"] == tokenizer_digest(load_tokenizer(run_dir / "tokenizer"))
+    assert set(meta) - {"tokenizer_sha256"} == resume.OWN_META  # what meta_fields may not replace
+    with pytest.raises(ValueError, match=r"meta_fields may not replace the checkpoint's own \['plans'\]"):
+        resume.save(None, 7, meta_fields={"plans": [], "tokenizer_sha256": "x"})
     swapped = _beside(run_dir, tmp_path / "swapped", swap=True)
     larger = _beside(run_dir, tmp_path / "larger", tokens=tuple(f"tok{i}" for i in range(8)))
     old_meta = larger / "comera_meta.json"

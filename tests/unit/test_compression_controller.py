@@ -253,3 +253,36 @@ def test_a_state_saved_before_last_loss_existed_loads():
     assert other.state.last_loss is None and not other.begin_step(1, lambda: 10)  # no loss known: no switch
     with pytest.raises(ValueError, match=r"missing keys \['lam'\]"):
         other.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "lam"})
+
+
+def test_bf16_losses_are_combined_in_fp32():
+    """A bf16 task loss and penalty (DeepSpeed bf16) are combined in fp32, not rounded again to bf16:
+    2 + 0.05 * 0.80078125 = 2.0400390625 would round to 2.046875 in bf16."""
+    L, R = torch.tensor(2.0, dtype=torch.bfloat16), torch.tensor(0.8, dtype=torch.bfloat16)
+    r = float(R)  # 0.80078125, the bf16 value of 0.8
+    early = RankController(ControllerConfig(gamma=0.05)).objective(L, R, global_loss=2.0, global_size=1000)
+    assert early.dtype == torch.float32 and early.item() == pytest.approx(2.0 + 0.05 * r, abs=1e-6)
+    late = RankController(ControllerConfig(late_stage_step=0, target_ratio=0.5, target_loss=1.0))
+    late.advance(0, global_loss=4.0, global_size=1000)
+    out, lam = late.objective_on_device(L, R, global_loss=_f64(4.0), global_size=_f64(1000.0))  # lambda 0
+    assert not lam and out.dtype == torch.float32
+    assert out.item() == pytest.approx(0.1 * 2.0 + 0.01 * r + 2.0, abs=1e-6)
+
+
+def test_a_zero_global_loss_is_refused_before_lambda_divides_by_it():
+    """lambda's task gap (L - L*)/L divides by L: a zero global loss is a clear error at ``advance``."""
+    ctl = RankController(ControllerConfig(late_stage_step=0))
+    with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got 0.0"):
+        ctl.advance(0, global_loss=0.0, global_size=10)
+    ctl.advance(0, global_loss=1.0, global_size=10)
+    with pytest.raises(ValueError, match=r"global_loss must be finite and > 0, got 0.0"):
+        ctl.decide_lambda(0.0, 10)
+
+
+def test_advance_records_the_step_it_was_given():
+    """``state.step`` (checkpointed) is the last step passed to ``advance``, in either stage."""
+    ctl = RankController(ControllerConfig(late_stage_step=2))
+    for step in (0, 1, 2, 5):
+        ctl.advance(step, global_loss=3.0, global_size=100)
+        assert ctl.state.step == step
+    assert ctl.state_dict()["step"] == 5 and ctl.state.switch_step == 2

@@ -89,3 +89,19 @@ def test_penalty_costs_a_fixed_handful_of_ops_whatever_the_gate_lengths():
     want_g = torch.autograd.grad(want, gates)
     for a, b in zip(got_g, want_g, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_an_integer_threshold_applies_to_every_gate():
+    """tau given as a Python int (1) is one threshold for all gate vectors, like a float."""
+    gates = [torch.tensor([0.5, 2.0, 1.0]), torch.tensor([3.0, 0.9])]  # alive (> 1): 2.0 and 3.0
+    assert penalty_from_gates(gates, 1).item() == pytest.approx((2.0 + 3.0) / 2)
+
+
+def test_bf16_gates_are_counted_exactly_past_bf16_integer_precision():
+    """bf16 holds integers exactly only up to 256: the sum and the count of 1001 alive bf16 gates are
+    kept in fp32 or wider, so R of all-ones gates is exactly 1 (a bf16 count would read 1000)."""
+    gates = [torch.ones(600, dtype=torch.bfloat16), torch.ones(401, dtype=torch.bfloat16)]
+    R = penalty_from_gates(gates, 1e-2)
+    assert R.dtype == torch.float32 and R.item() == 1.0
+    gates[1][:] = 0.5  # total 600 + 200.5 over 1001 alive
+    assert penalty_from_gates(gates, 1e-2).item() == pytest.approx(800.5 / 1001, rel=1e-6)

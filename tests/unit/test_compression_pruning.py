@@ -233,3 +233,43 @@ def test_resize_from_checkpointed_bond_dims():
 def test_prune_due_schedule(every, start, due_steps):
     cfg = PruningConfig(every=every, start_step=start)
     assert [s for s in range(11) if prune_due(cfg, s)] == due_steps
+
+
+def test_a_pruned_optimizer_drops_the_old_parameters_and_checkpoints():
+    """After a prune the optimizer state holds only the new Parameters: the old ones' full-size moments
+    are released, and ``optimizer.state_dict()`` (the checkpoint) still works and reloads."""
+    net = _gated_net()
+    opt = torch.optim.AdamW(param_groups(net, LrConfig(cores=1e-2, gates=1e-2, dense=1e-2)))
+    _train(net, opt, steps=1)
+    old = {id(net.up.core), id(net.up.gate), id(net.emb.core), id(net.side.gate)}
+    apply_plan(net, make_plan(net), opt)
+    assert {id(p) for p in opt.state} == {id(p) for p in net.parameters()}
+    assert not old & {id(p) for p in opt.state}
+    state = opt.state_dict()
+    assert len(state["state"]) == len(list(net.parameters())) == 13
+    again = torch.optim.AdamW(param_groups(net, LrConfig(cores=1e-2, gates=1e-2, dense=1e-2)))
+    again.load_state_dict(state)
+    assert torch.equal(again.state[net.up.core]["exp_avg"], opt.state[net.up.core]["exp_avg"])
+
+
+def test_plan_to_bond_dims_of_the_current_sizes_removes_nothing():
+    """Resuming an unpruned checkpoint: the plan is empty (no rebuild), and a size 0 is refused by range."""
+    net = Net(seed=7)
+    assert plan_to_bond_dims(net, bond_dims(net)).is_empty()
+    plan = plan_to_bond_dims(net, {"up": [4, 2, 4], "down": [3, 3, 3, 3, 3]})
+    assert plan.kept == {"up": {1: [0, 1]}}
+    with pytest.raises(ValueError, match=r"layer 'up' bond 1 size 0 outside \[1, 4\]"):
+        plan_to_bond_dims(net, {"up": [4, 0, 4]})
+
+
+def test_a_prune_that_gives_other_shapes_than_the_plan_is_an_error(monkeypatch):
+    """apply_plan checks the layer's ``prune_`` against the plan's slices before it touches the optimizer."""
+    net = _gated_net()
+    real = net.up.prune_
+
+    def drops_one_more(index):  # a broken layer: keeps one index fewer on every bond
+        real({b: i[:-1] for b, i in index.items()})
+
+    monkeypatch.setattr(net.up, "prune_", drops_one_more)
+    with pytest.raises(RuntimeError, match=r"apply_plan: prune_ produced shape \(\d+,\), expected \(\d+,\)"):
+        apply_plan(net, make_plan(net))

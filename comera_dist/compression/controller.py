@@ -144,6 +144,21 @@ class RankController:
         self.state.size_at_switch = int(global_size)
         self.state.target_size = self.cfg.target_ratio * global_size
 
+    def stage_kept(self) -> str | None:
+        """Why a loaded late stage outlives this controller's schedule: the state switched at a step where this
+        config's ``late_stage_step`` (later, or none) would not have, and a stage is state, not undone by a
+        resume. None when the schedule agrees, while early, or with a ``late_stage_loss`` (which could have
+        switched it)."""
+        s, c = self.state, self.cfg
+        if s.stage != "late" or c.late_stage_loss is not None:
+            return None
+        if c.late_stage_step is not None and c.late_stage_step <= (s.switch_step or 0):
+            return None
+        when = "sets none" if c.late_stage_step is None else f"is {c.late_stage_step}"
+        return (f"the checkpoint's controller entered the late stage at step {s.switch_step} and stays there: "
+                f"this config's comera.controller.late_stage_step {when}, but a resume does not undo a stage "
+                "(start over with --resume none, or from a checkpoint written before the switch)")
+
     def retarget(self) -> tuple[float, float] | None:
         """S* again from this controller's ``target_ratio`` and the state's S at the switch: a resume whose config
         has another ratio than the run that switched. ``(old, new)`` when S* moved; None when it did not (the early

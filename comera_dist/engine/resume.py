@@ -187,6 +187,9 @@ def _apply_run_settings(session: TrainSession) -> None:
                        f"{cfg.controller.target_ratio:g})")
     if changed and dist.get_rank() == 0:
         log.info("resume: this run's config changes the checkpoint's %s", ", ".join(changed))
+    kept = session.controller.stage_kept()
+    if kept and dist.get_rank() == 0:
+        log.warning("resume: %s", kept)
 
 
 def _saved_scheduler(path: Path) -> str | None:

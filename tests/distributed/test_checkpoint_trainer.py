@@ -142,16 +142,18 @@ def test_trainer_resumes_a_two_rank_run_on_one_rank_at_zero3(tmp_path, capsys):
     assert (out / "checkpoints" / "latest").read_text() == tag_for(6)
 
     # Started again with train.steps below the run's step: done, said so, nothing written. Its warmup outlasts
-    # the run, which rank 0 says at the start.
+    # the run, which rank 0 says at the start; so does a late_stage_step after the switch the checkpoint made.
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     [done] = run_ranks(_resume_job, tmp_path / "w3", str(out), 4, 3, "deepspeed.scheduler.kind=warmup_decay",
-                       "deepspeed.scheduler.warmup_steps=5", world_size=1)
+                       "deepspeed.scheduler.warmup_steps=5", "comera.controller.late_stage_step=10", world_size=1)
     assert done["status"] == 0 and done["group_left"], done["log"][-10:]
     ck6 = out / "checkpoints" / tag_for(6)
     assert f"nothing to train: {ck6} is at step 6 and train.steps=4; raise train.steps (--set train.steps=N) to " \
            "train on" in done["log"], done["log"]
     assert any(line.startswith("deepspeed.scheduler.warmup_steps=5 exceeds train.steps=4: the learning rate rises for the "
                                "whole run, to about 80% of its peak") for line in done["log"]), done["log"]
+    assert any(line.startswith("resume: the checkpoint's controller entered the late stage at step 4 and stays "
+                               "there: this config's comera.controller.late_stage_step is 10") for line in done["log"])
     assert not any(line.startswith("step ") for line in done["log"]), done["log"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved
     assert (out / "checkpoints" / "latest").read_text() == tag_for(6)

@@ -286,3 +286,22 @@ def test_advance_records_the_step_it_was_given():
         ctl.advance(step, global_loss=3.0, global_size=100)
         assert ctl.state.step == step
     assert ctl.state_dict()["step"] == 5 and ctl.state.switch_step == 2
+
+
+@pytest.mark.parametrize(("step", "loss", "kept"), [(5, None, "is 5"), (None, None, "sets none"), (3, None, None),
+                                                    (2, None, None), (9, 0.5, None)])
+def test_a_resumed_late_stage_says_when_the_config_would_not_have_switched(step, loss, kept):
+    """A stage is state: a resume whose ``late_stage_step`` is later (or unset) keeps the late stage, and says so;
+    with a ``late_stage_loss`` the switch may have been the loss's, and nothing is said."""
+    ctl = RankController(ControllerConfig(late_stage_step=3))
+    assert ctl.stage_kept() is None  # early
+    ctl.advance(3, global_loss=2.0, global_size=100)
+    resumed = RankController(ControllerConfig(late_stage_step=step, late_stage_loss=loss))
+    resumed.load_state_dict(ctl.state_dict())
+    said = resumed.stage_kept()
+    if kept is None:
+        assert said is None
+    else:
+        assert said.startswith("the checkpoint's controller entered the late stage at step 3 and stays there: "
+                               f"this config's comera.controller.late_stage_step {kept}, but a resume does not "
+                               "undo a stage"), said

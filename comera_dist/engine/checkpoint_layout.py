@@ -1,9 +1,9 @@
 """A run's checkpoints as files: tags, completeness, ``resume auto``'s candidates, the side metadata, and the
 config identity a checkpoint must share with the run loading it.
 
-The standard library and the manifest only, no torch or DeepSpeed: ``comera pretrain --check-config`` reads
-a run's checkpoints on a login node with it (``check_resumable``). Writing, verifying and loading checkpoints
-is ``engine.checkpoint``'s, which re-exports all of this.
+Nothing here imports torch or DeepSpeed: ``comera pretrain --check-config`` reads a run's checkpoints on a
+login node with it (``resume_candidate``, ``check_compatible``; ``config._resume_target``). Writing, verifying
+and loading checkpoints is ``engine.checkpoint``'s, which re-exports all of this.
 """
 
 from __future__ import annotations

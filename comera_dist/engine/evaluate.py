@@ -270,20 +270,35 @@ def _check_out(out: Path) -> None:
 
 @contextlib.contextmanager
 def _publish_dir(out: Path) -> Iterator[Path]:
-    """Fill a temporary sibling of ``out``, then rename it into place (never a half-written export)."""
+    """Fill a temporary sibling of ``out``, then rename it into place (never a half-written export). The sibling
+    is made on entry, so a directory that refuses it (root squashing, ACLs: what ``_check_out``'s ``os.access``
+    cannot see) fails before the caller loads anything; a failure leaves none of the parents it made."""
     _check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # innermost first
     # A plain mkdir, not mkdtemp: the export gets the mode (umask, default ACLs) of any directory made there,
     # not mkdtemp's 0700 that locks teammates on a shared cluster out of it.
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    published = False
     try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise InputError(f"--out {out}: cannot create it in {out.parent}: {e.strerror or e}") from e
         yield tmp
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+        published = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in made if not published else ():
+            if not parent.exists():
+                continue  # never made: the mkdir failed above it
+            try:
+                parent.rmdir()
+            except OSError:  # filled meanwhile by someone else
+                break
 
 
 def _token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
@@ -308,8 +323,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, fmt: str = "de
     cfg, meta = _read(path)
     if _tokenizer_dir(path, cfg).is_dir():  # exported with the model; an export without one is the model alone
         _run_tokenizer(path, cfg, meta)
-    run = load_run(checkpoint)
-    with _publish_dir(out) as tmp:
+    with _publish_dir(out) as tmp:  # made first: the weights of a large model take minutes to load
+        run = load_run(checkpoint)
         if fmt == "dense-hf":
             export_dense(run.model, tmp, token_ids=_token_ids(run.tokenizer_dir))
         elif fmt == "tt":

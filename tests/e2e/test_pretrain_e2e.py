@@ -387,6 +387,39 @@ def test_export_checks_out_before_loading_the_weights(run_dir, tmp_path, monkeyp
     assert (tmp_path / "full" / "x").read_text() == "kept" and not (tmp_path / "new").exists()
 
 
+def test_export_makes_its_directory_before_loading_the_weights(run_dir, tmp_path, monkeypatch, capsys):
+    """Where ``os.access`` says yes and the file system says no (root squashing on NFS, ACLs; here an immutable
+    directory, which refuses root too, with ``os.access`` made to agree as a squashed client's would), the export
+    fails before the weights load; and a failed export leaves none of the parents it made."""
+    from comera_dist.engine import evaluate
+
+    real_load = evaluate.load_run
+    monkeypatch.setattr(evaluate, "load_run", lambda spec: pytest.fail("the weights loaded first"))
+    monkeypatch.setattr(os, "access", lambda path, mode: True)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("chattr +i is not supported here")  # the file system (tmpfs, overlay) or no privilege
+    try:
+        rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(locked / "a" / "out"))
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--out {locked / 'a' / 'out'}: cannot create it in {locked / 'a'}: Operation not permitted" in err, err
+    assert list(locked.iterdir()) == []
+
+    def damaged(spec):  # the weights fail to load once the directory is made
+        raise evaluate.InputError(f"checkpoint {spec}: damaged")
+
+    monkeypatch.setattr(evaluate, "load_run", damaged)
+    rc, _, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "b" / "c" / "out"))
+    assert rc == 2 and "damaged" in err and not (tmp_path / "b").exists(), err
+    monkeypatch.setattr(evaluate, "load_run", real_load)
+    rc, out, err = in_process(capsys, "export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "b" / "c" / "out"),
+                              "--format", "tt")
+    assert rc == 0 and out == f"{tmp_path / 'b' / 'c' / 'out'}\n" and (tmp_path / "b" / "c" / "out").is_dir(), err
+
+
 def _one_line_exit_2(p: subprocess.CompletedProcess, needle: str) -> None:
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     errors = [line for line in p.stderr.splitlines() if line.startswith("comera ")]

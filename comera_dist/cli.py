@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 
@@ -190,10 +191,20 @@ def _check_config(args: argparse.Namespace) -> int:
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
     target = check_local_inputs(cfg)
     _print_warnings(cfg)
-    start = f"resumes {target} if it verifies" if target is not None else "starts fresh"
+    start = "starts fresh" if target is None else f"resumes {target} if it verifies{_nothing_left(cfg, target)}"
     print(f"comera pretrain: {args.config}: config accepted, {start} (the batch arithmetic is checked at the run's "
           "world size: --dry-run --world-size N)")
     return 0
+
+
+def _nothing_left(cfg, checkpoint: Path) -> str:
+    """What the run would say after resuming ``checkpoint``, when its step is already ``train.steps``."""
+    from comera_dist.engine.checkpoint_layout import read_meta
+
+    step = read_meta(checkpoint).get("step")
+    if not isinstance(step, int) or step < cfg.train.steps:
+        return ""
+    return f", at step {step} of train.steps={cfg.train.steps}: nothing to train (--set train.steps=N trains on)"
 
 
 def _print_warnings(cfg) -> None:

@@ -148,3 +148,17 @@ def test_the_check_does_not_import_deepspeed(tmp_path):
             "'--check-config']); print(rc, 'deepspeed' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "resumes" in done.stdout and done.stdout.splitlines()[-1] == "0 False", (done.stdout, done.stderr)
+
+
+def test_a_finished_run_is_said_to_have_nothing_to_train(capsys, tmp_path):
+    """The run would resume at ``train.steps`` and exit saying so (``trainer._nothing_to_train``)."""
+    root = tmp_path / "run" / "checkpoints"
+    _checkpoint(root, 3)
+    rc, out, err = _check(capsys, tmp_path / "run")
+    assert rc == 0 and "nothing to train" not in out, err
+    done = _checkpoint(root, 6)  # tiny-cpu.yaml's train.steps
+    rc, out, err = _check(capsys, tmp_path / "run")
+    assert rc == 0 and (f"resumes {done} if it verifies, at step 6 of train.steps=6: nothing to train (--set "
+                        "train.steps=N trains on)") in out, err
+    rc, out, err = _check(capsys, tmp_path / "run", "--set", "train.steps=8")
+    assert rc == 0 and "nothing to train" not in out, err

@@ -148,6 +148,8 @@ class History:
         h._ranks = thinned(state["ranks"], h.max_rank_snapshots)
         for key, data in state["scalars"].items():
             series = thinned(data, h.max_points)
+            if not series.points:  # first logged after ``upto``: not part of this run (an empty one breaks the report)
+                continue
             low, high = state["extremes"][key]
             extremes = _Extremes(tuple(low) if low else None, tuple(high) if high else None)
             if len(series.points) != len(data["points"]):  # cut: the extremes of what is left

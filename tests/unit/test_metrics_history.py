@@ -142,3 +142,22 @@ def test_a_step_logged_again_keeps_its_first_point_and_extremes(budget):
     assert again.best("ratio", lowest=False) == once.best("ratio", lowest=False) == (40, 40.0)
     steps = [s for s, _ in again.scalars["ratio"]]
     assert len(steps) == len(set(steps))
+
+
+def test_a_series_logged_only_after_the_cut_is_gone_and_the_report_still_writes(tmp_path):
+    """Resumed from a checkpoint older than the first value of a series (a late-stage key, the first
+    evaluation): that series has no point left. It is absent, not an empty series that broke ``last`` and the
+    report's table (IndexError when the job closed)."""
+    h = History()
+    for step in range(1, 11):
+        h.add_scalars({"train_loss": 1.0 / step}, step)
+        if step >= 6:
+            h.add_scalars({"val_loss": 2.0, "lambda": 1.0}, step)
+    cut = History.from_state(h.state(), upto=4)
+    assert set(cut.scalars) == {"train_loss"}
+    assert cut.last("val_loss") is None and cut.best("val_loss") is None
+    text = write_report(cut, tmp_path, run_name="cut", world_size=1, total_steps=10).read_text()
+    assert "| train_loss | 1 | 0.25 | 0.25 | 1 |" in text and "val_loss" not in text
+    assert "- last step logged: 4" in text
+    cut.add_scalars({"val_loss": 1.5}, 5)  # logged again by the resumed job: a fresh series
+    assert cut.scalars["val_loss"] == [(5, 1.5)] and cut.best("val_loss") == (5, 1.5)

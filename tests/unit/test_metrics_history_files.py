@@ -58,3 +58,19 @@ def test_a_checkpoint_without_a_history_reads_the_one_beside_the_report(tmp_path
 def test_other_ranks_write_no_history(tmp_path):
     assert _metrics(tmp_path, rank=1).history_files(3) == {}
     assert set(_metrics(tmp_path).history_files(3)) == {HISTORY_FILE}
+
+
+def test_a_resume_before_a_series_began_still_writes_the_report(tmp_path):
+    """The file beside the report is newer than the resumed checkpoint and holds a series that began after it."""
+    m = _metrics(tmp_path)
+    for step in range(1, 7):
+        m.log({"train_loss": 10.0 - step, **({"val_loss": 3.0} if step >= 5 else {})}, step)
+    (tmp_path / HISTORY_FILE).write_text(json.dumps({"step": 6, "history": m.history.state()}))
+    (tmp_path / "old").mkdir()
+    resumed = Metrics(MetricsConfig(prometheus=False, progress=False), rank=0, local_rank=0, world_size=2,
+                      total_steps=10, output_dir=tmp_path, run_name="run")
+    resumed.restore_history(3, tmp_path / "old")
+    resumed.log({"train_loss": 6.5}, 4)
+    resumed.close()
+    md = (tmp_path / "report.md").read_text()
+    assert "| train_loss | 9 | 6.5 | 6.5 | 9 |" in md and "val_loss" not in md

@@ -37,14 +37,23 @@ def metrics(tmp_path):
     ("log_every", 0, "metrics.log_every must be >= 1, got 0"),
     ("rank_label_limit", 0, "metrics.rank_label_limit must be >= 1, got 0"),
     ("prometheus_host", "bad host", "metrics.prometheus_host must be an IP address or host name"),
+    ("prometheus_host", "", "metrics.prometheus_host must be an IP address or host name"),  # "" binds everywhere
     ("sd_file", " ", "metrics.sd_file must be a path or null"),
     ("compression_target", -1.0, "metrics.compression_target must be > 0 or null, got -1.0"),
+    ("compression_target", 0.0, "metrics.compression_target must be > 0 or null, got 0.0"),
+    ("compression_target", math.nan, "metrics.compression_target must be > 0 or null, got nan"),
     ("final_scrape_timeout_s", -1.0, "metrics.final_scrape_timeout_s must be in [0, 3600], got -1.0"),
     ("first_scrape_timeout_s", 3601.0, "metrics.first_scrape_timeout_s must be in [0, 3600], got 3601.0"),
 ])
 def test_config_rejects_bad_values(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         from_dict(MetricsConfig, {key: value}, "metrics")
+
+
+def test_config_accepts_the_documented_bounds():
+    cfg = from_dict(MetricsConfig, {"first_scrape_timeout_s": 3600.0, "final_scrape_timeout_s": 3600.0,
+                                    "prometheus_port": 65535}, "metrics")
+    assert (cfg.first_scrape_timeout_s, cfg.final_scrape_timeout_s, cfg.prometheus_port) == (3600.0, 3600.0, 65535)
 
 
 def test_config_unknown_key_suggests():
@@ -73,6 +82,7 @@ def test_exporter_serves_standard_keys_in_base_units(metrics, tmp_path):
     assert not any("custom" in name for name, _ in got)  # unknown keys: report only
     # never-logged gauges are absent rather than 0 (no fake 1970 checkpoint)
     assert ("comera_checkpoint_last_success_timestamp_seconds", ()) not in got
+    assert ("comera_tt_rank_series_dropped", ()) not in got  # no ranks logged: no rank series, not a 0
     info = next(labels for name, labels in got if name == "comera_build_info")
     assert dict(info)["torch"] == torch.__version__ and dict(info)["deepspeed"]
 
@@ -164,6 +174,7 @@ def test_report_markdown_and_pngs(tmp_path):
     m.close()
     md = (tmp_path / "report.md").read_text()
     assert "# Run report: rep" in md and "- checkpoints: 1 saved, 0 failed" in md
+    assert "- processes: 1" in md and "- steps configured: 6" in md and "- last step logged: 6" in md
     assert "- best validation loss: 2.7000 at step 4" in md and "- late stage from step 3" in md
     assert "| objective | 9 | 9 | 9 | 9 |" in md  # unknown keys kept for the report
     assert "| train_loss | 3 | nan | 2.5 | 3 |" in md
@@ -248,3 +259,131 @@ def test_first_scrape_wait_gives_up_and_is_off_by_default(tmp_path):
     off.exporter.wait_for_scrape = lambda timeout: waits.append(timeout) or False
     assert off.wait_for_first_scrape() is True and waits == []  # off by default: no wait at all
     off.close()
+
+
+# The names the dashboard, the alerts and monitoring/README.md use: pinned here, not read back from GAUGES.
+SERVED_NAMES = {
+    "train_loss": "comera_train_loss", "val_loss": "comera_val_loss", "val_accuracy": "comera_val_accuracy_ratio",
+    "tokens_per_second": "comera_tokens_per_second", "data_wait_seconds": "comera_data_wait_seconds",
+    "learning_rate": "comera_learning_rate", "stage": "comera_stage", "lambda": "comera_lambda",
+    "compression_ratio": "comera_compression_ratio",
+    "compression_ratio_tensorized": "comera_compression_ratio_tensorized",
+    "target_compression_ratio": "comera_compression_ratio_target", "model_params": "comera_model_parameters",
+    "peak_memory_bytes": "comera_peak_memory_bytes", "epoch": "comera_epoch",
+}
+
+
+def test_every_gauge_key_is_served_under_its_documented_name(metrics):
+    values = {key: float(i + 1) for i, key in enumerate(SERVED_NAMES)}
+    metrics.log(values, step=3)
+    got = _scrape(metrics)
+    assert {key: got.get((name, ())) for key, name in SERVED_NAMES.items()} == values
+
+
+def test_compression_target_is_served_from_the_start(tmp_path):
+    m = build_metrics(MetricsConfig(progress=False, report=False, compression_target=2.5), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="target")
+    try:
+        assert _scrape(m)[("comera_compression_ratio_target", ())] == 2.5
+    finally:
+        m.close()
+
+
+def test_a_failed_checkpoint_keeps_the_last_success_time_and_is_recorded(metrics):
+    got = _scrape(metrics)  # both outcome series exist before any save: the first failure is an increase
+    assert got[("comera_checkpoint_saves_total", (("outcome", "failure"),))] == 0
+    assert got[("comera_checkpoint_saves_total", (("outcome", "success"),))] == 0
+    metrics.checkpoint_saved(True, 2)
+    ok_time = metrics.history.checkpoints[-1][2]
+
+    def time_of():
+        return _scrape(metrics)[("comera_checkpoint_last_success_timestamp_seconds", ())]
+
+    assert time_of() == ok_time
+    metrics.checkpoint_saved(False, 4)
+    assert metrics.history.checkpoints[-1][2] > ok_time
+    assert time_of() == ok_time  # the checkpoint-age panel and alert keep counting from the good one
+    assert [(s, ok) for s, ok, _ in metrics.history.checkpoints] == [(2, True), (4, False)]  # the report's count
+
+
+def test_a_failed_checkpoint_needs_its_own_scrape_before_close(metrics):
+    """The failure moved only a counter: the final-scrape wait must still wait for a scrape that reads it."""
+    metrics.log({"train_loss": 1.0}, 1)
+    _scrape(metrics)
+    assert metrics.exporter.wait_for_scrape(0) is True
+    metrics.checkpoint_saved(False, 1)
+    assert metrics.exporter.wait_for_scrape(0.2) is False
+    _scrape(metrics)
+    assert metrics.exporter.wait_for_scrape(0) is True
+
+
+def test_a_wildcard_bind_advertises_the_host_name(tmp_path):
+    import socket
+
+    m = build_metrics(MetricsConfig(progress=False, report=False, prometheus_host="0.0.0.0"), rank=0, local_rank=0,
+                      world_size=1, total_steps=1, output_dir=tmp_path, run_name="wild")
+    try:
+        port = m.exporter.port
+        assert m.endpoint == f"{socket.getfqdn()}:{port}"  # what another node's Prometheus can reach
+        assert json.loads((tmp_path / "prometheus_targets.json").read_text())[0]["targets"] == [m.endpoint]
+    finally:
+        m.close()
+
+
+def test_a_fully_pruned_bond_is_logged_as_rank_zero(metrics):
+    metrics.log_ranks({"enc.q": [0, 3]}, step=5)
+    got = _scrape(metrics)
+    assert got[("comera_tt_rank", (("bond", "0"), ("layer", "enc.q")))] == 0
+    assert metrics.history.ranks == [(5, {"enc.q": [0, 3]})]
+
+
+def test_the_progress_bar_counts_to_the_configured_steps(tmp_path):
+    m = build_metrics(MetricsConfig(prometheus=False, report=False), rank=0, local_rank=0, world_size=1,
+                      total_steps=12, output_dir=tmp_path, run_name="bar")
+    try:
+        assert m.progress._bar.total == 12
+    finally:
+        m.close()
+
+
+def test_two_jobs_on_one_node_get_their_own_port(tmp_path):
+    """The default port is 0 (a free one each): two jobs sharing a node never collide."""
+    a, b = (build_metrics(MetricsConfig(progress=False, report=False), rank=0, local_rank=0, world_size=1,
+                          total_steps=1, output_dir=tmp_path / name, run_name=name) for name in ("a", "b"))
+    try:
+        assert a.endpoint.startswith("127.0.0.1:") and a.exporter.port != b.exporter.port
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_empty_run_reports_no_last_step(tmp_path):
+    m = build_metrics(MetricsConfig(prometheus=False, progress=False), rank=0, local_rank=0, world_size=3,
+                      total_steps=9, output_dir=tmp_path, run_name="empty")
+    m.close()
+    md = (tmp_path / "report.md").read_text()
+    assert "- last step logged: none" in md and "- processes: 3" in md and "- steps configured: 9" in md
+
+
+def test_timestamps_are_unix_seconds(metrics):
+    """``time() - comera_*_timestamp_seconds`` (the step-stall and checkpoint-age panels) needs wall-clock time."""
+    import time
+
+    t0 = time.time()
+    metrics.log({"train_loss": 1.0}, 1)
+    metrics.checkpoint_saved(True, 1)
+    t1 = time.time()
+    got = _scrape(metrics)
+    assert t0 <= got[("comera_last_step_timestamp_seconds", ())] <= t1
+    assert t0 <= got[("comera_checkpoint_last_success_timestamp_seconds", ())] <= t1
+    assert t0 <= metrics.history.checkpoints[-1][2] <= t1
+
+
+def test_a_non_finite_step_time_is_not_observed(metrics):
+    metrics.log({"step_time_seconds": math.inf}, 1)
+    metrics.log({"step_time_seconds": math.nan}, 2)
+    metrics.log({"step_time_seconds": -0.5}, 3)
+    metrics.log({"step_time_seconds": 0.2}, 4)
+    got = _scrape(metrics)
+    assert got[("comera_step_time_seconds_count", ())] == 1  # the mean step time panel stays finite
+    assert got[("comera_step_time_seconds_sum", ())] == pytest.approx(0.2)

@@ -144,6 +144,29 @@ def test_a_step_logged_again_keeps_its_first_point_and_extremes(budget):
     assert len(steps) == len(set(steps))
 
 
+def test_extremes_skip_infinities_and_keep_the_first_step_of_a_tie():
+    h = History(max_points=10)
+    for step, value in enumerate([3.0, math.inf, 1.0, -math.inf, 1.0, 5.0, 5.0, math.nan]):
+        h.add_scalars({"val_loss": value}, step)
+    assert h.best("val_loss") == (2, 1.0)  # the first step that reached the best loss, not a later tie
+    assert h.best("val_loss", lowest=False) == (5, 5.0)  # finite: an overflowed loss is not the run's maximum
+
+
+def test_a_cut_history_drops_its_held_latest_point_but_no_sampled_one():
+    """The saved history held an unsampled latest point after its sampled ones; a cut before it drops it, and
+    what the resumed job logs next must not push out the last sampled point that is left."""
+    h = History(max_points=8)
+    for step in range(1, 101):
+        h.add_scalars({"loss": float(step)}, step)
+    assert h.state()["scalars"]["loss"]["tail"] is True and h.scalars["loss"][-1] == (100, 100.0)
+    cut = History.from_state(h.state(), upto=90)
+    kept = list(cut.scalars["loss"])
+    assert kept[-1][0] <= 90 and kept[0] == (1, 1.0)
+    cut.add_scalars({"loss": 90.5}, 90)
+    cut.add_scalars({"loss": 91.0}, 91)
+    assert cut.scalars["loss"][: len(kept)] == kept
+
+
 def test_a_series_logged_only_after_the_cut_is_gone_and_the_report_still_writes(tmp_path):
     """Resumed from a checkpoint older than the first value of a series (a late-stage key, the first
     evaluation): that series has no point left. It is absent, not an empty series that broke ``last`` and the

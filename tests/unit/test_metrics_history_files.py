@@ -60,6 +60,21 @@ def test_other_ranks_write_no_history(tmp_path):
     assert set(_metrics(tmp_path).history_files(3)) == {HISTORY_FILE}
 
 
+def test_a_history_older_than_the_checkpoint_is_used_and_named_in_the_log(tmp_path, caplog):
+    m = _metrics(tmp_path)
+    for step in range(1, 3):
+        m.log({"train_loss": float(step)}, step)
+    (tmp_path / HISTORY_FILE).write_text(json.dumps({"step": 2, "history": m.history.state()}))
+    (tmp_path / "old").mkdir()
+    exact = _metrics(tmp_path)
+    exact.restore_history(2, tmp_path / "old")
+    assert "misses the steps between" not in caplog.text
+    later = _metrics(tmp_path)
+    later.restore_history(4, tmp_path / "old")
+    assert [s for s, _ in later.history.scalars["train_loss"]] == [1, 2]
+    assert "ends at step 2, the resumed checkpoint is step 4: the report misses the steps between" in caplog.text
+
+
 def test_a_resume_before_a_series_began_still_writes_the_report(tmp_path):
     """The file beside the report is newer than the resumed checkpoint and holds a series that began after it."""
     m = _metrics(tmp_path)

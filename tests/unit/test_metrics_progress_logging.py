@@ -68,3 +68,24 @@ def test_in_a_log_file_no_bar_is_drawn_and_the_handlers_stay(capsys):
         bar.update({"train_loss": 6.0 - step}, step)
     bar.close()
     assert capsys.readouterr().err == ""
+
+
+def test_postfix_shows_the_latest_values_with_their_labels():
+    bar = ProgressBar(total_steps=10, log_every=1)
+    bar.update({"train_loss": 2.34567, "val_loss": 2.75, "tokens_per_second": 12345.6, "compression_ratio": 3.5,
+                "compression_ratio_tensorized": 7.0, "stage": 1.0, "learning_rate": 1e-4}, 1)
+    bar.update({"train_loss": 2.0}, 2)
+    assert bar.postfix() == {"loss": "2", "val": "2.75", "tok/s": "12,346", "cr": "3.5", "stage": "1"}
+    assert list(bar.postfix()) == ["loss", "val", "tok/s", "cr", "stage"]  # display order
+    bar.close()
+
+
+def test_postfix_refreshes_every_log_every_steps_and_at_close():
+    bar = ProgressBar(total_steps=10, log_every=3)
+    shown = []
+    for step in range(8):
+        bar.update({"train_loss": float(step)}, step)
+        shown.append(bar._bar.postfix)
+    assert shown == ["loss=0"] * 3 + ["loss=3"] * 3 + ["loss=6"] * 2
+    bar.close()
+    assert bar._bar.postfix == "loss=7"  # the final line shows the last values, not those of step 6

@@ -118,6 +118,7 @@ def test_bad_input_names_the_parameter():
         ({"tau": 0}, r"tau must be a number > 0 \(the gate threshold\), got 0"),
         ({"padding_idx": 101}, r"padding_idx must be within \[-101, 101\), got 101"),
         ({"num_cores": 1}, r"num_cores must be an int >= 2, got 1"),
+        ({"row_modes": [101], "col_modes": [12]}, r"a TTM embedding needs at least 2 cores, got row_modes=\[101\]"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):

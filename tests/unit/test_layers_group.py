@@ -353,3 +353,17 @@ def test_layers_reading_one_input_share_its_gemm(killed, biased, path, saved):
     assert results[1][3] - results[0][3] == saved, (results[0][3], results[1][3])
     with pytest.raises(ValueError, match="in_features=12"):
         project_shared_input(layers, torch.randn(2, 5, dtype=torch.float64), shared_factors(layers))
+
+
+def test_layers_with_the_same_modes_but_another_split_are_grouped_apart():
+    """16x4 ([4, 4] / [4]) and 4x16 ([4] / [4, 4]) have the same core shapes; only the split ``d``
+    tells them apart, so they must not share one batched chain."""
+    g = torch.Generator().manual_seed(0)
+    layers = torch.nn.ModuleList([TTLinear(16, 4, in_modes=[4, 4], out_modes=[4], max_rank=4, generator=g),
+                                  TTLinear(4, 16, in_modes=[4], out_modes=[4, 4], max_rank=4, generator=g)])
+    assert layers[0].core_shapes() == layers[1].core_shapes()
+    got = shared_factors(layers)
+    for layer in layers:
+        x = torch.randn(5, layer.in_features, generator=g)
+        torch.testing.assert_close(project(layer, x, got), layer(x))
+        torch.testing.assert_close(project(layer, x, got), x @ layer.to_dense() + layer.bias)

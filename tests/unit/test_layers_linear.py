@@ -6,6 +6,7 @@ from torch import nn
 
 from comera_dist.kernels import dispatch
 from comera_dist.layers import TTLinear
+from comera_dist.tensor.tt import tt_to_dense
 
 ORDERS = ["lr", "sequential", "dense"]
 
@@ -165,6 +166,9 @@ def test_bad_input_names_the_parameter():
                                              rf"\(3 cores\): pass num_cores >= 4 or out_modes"):
             TTLinear(24, 24, in_modes=[2, 3, 4], num_cores=num_cores)
     assert TTLinear(24, 24, in_modes=[2, 3, 4], num_cores=4).out_modes == [24]
+    # an odd core count puts ceil(num_cores / 2) cores on the input side (the class docstring)
+    assert (len(TTLinear(24, 30, num_cores=5).in_modes), len(TTLinear(24, 30, num_cores=5).out_modes)) == (3, 2)
+    assert (len(TTLinear(24, 30, num_cores=3).in_modes), len(TTLinear(24, 30, num_cores=3).out_modes)) == (2, 1)
     with pytest.raises(ValueError, match=r"input last dim is 23, TTLinear expects in_features=24"):
         TTLinear(24, 30)(torch.randn(2, 23))
 
@@ -178,3 +182,20 @@ def test_from_dense_and_to_dense_round_trip():
     torch.testing.assert_close(layer(x), x @ W + b, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match=r"weight must be 2-D \(N_in, N_out\), got shape \(12,\)"):
         TTLinear.from_dense(b[:12], max_rank=4)
+
+
+def test_a_gate_equal_to_tau_is_dead():
+    """``m(g) = g [g > tau]`` (method doc section 2): the comparison is strict, so a gate exactly at the
+    threshold is masked out of the forward and the rank (0.5 is exact in every float dtype)."""
+    layer = _layer(tau=0.5)
+    with torch.no_grad():
+        layer.gate.fill_(1.0)
+        layer.gates[1][0] = 0.5
+        layer.gates[1][1] = 0.5 + 2**-20
+    assert layer.ranks() == [r - (k == 1) for k, r in enumerate(layer.bond_dims())]
+    assert layer.masked_gates()[1][0] == 0 and layer.masked_gates()[1][1] == 0.5 + 2**-20
+    x = torch.randn(5, 24, dtype=torch.float64)
+    cores = list(layer.cores)
+    masks = [g.detach().clone() for g in layer.gates]
+    masks[1][0] = 0.0
+    torch.testing.assert_close(layer(x), x @ tt_to_dense(cores, masks, layer.d) + layer.bias)

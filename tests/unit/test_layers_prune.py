@@ -123,3 +123,17 @@ def test_prune_bad_input():
         with pytest.raises(ValueError, match=match):
             layer.prune_(kept)
     assert layer.bond_dims() == [4, 4, 4]  # a rejected plan changes nothing
+
+
+def test_prune_keeps_the_output_for_unsorted_kept_indices():
+    """``kept`` in any order: both neighbouring cores and the gate are sliced in that same order."""
+    torch.manual_seed(0)
+    layer = TTLinear(24, 30, num_cores=4, max_rank=4, dtype=torch.float64)
+    with torch.no_grad():
+        layer.gate.uniform_(0.5, 1.5)
+        layer.gates[1][1] = 0.004  # dead: dropped below
+    x = torch.randn(6, 24, dtype=torch.float64)
+    y = layer(x)
+    layer.prune_({1: torch.tensor([3, 0, 2])})
+    assert layer.bond_dims() == [4, 3, 4]
+    torch.testing.assert_close(layer(x), y)

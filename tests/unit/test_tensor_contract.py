@@ -238,3 +238,16 @@ def test_ttm_pair_split_shapes():
     assert A.shape == (6, 2, cores[2].shape[0]) and B.shape == (cores[2].shape[0], 10, 6)
     with pytest.raises(ValueError, match="at least 2 cores, got 1"):
         contract.ttm_pair_contract(cores[:1], None)
+
+
+def test_ttm_head_contract_and_einsum_refuse_bad_shapes():
+    """A width that is not N_L*N_R is a clear error, not a reshape failure; so is a chain past the
+    einsum's letters (25 cores: 51 subscripts for 50 letters)."""
+    left, right = torch.randn(3, 2, 4), torch.randn(4, 5, 3)  # E: (15, 6)
+    for side in ("left", "right"):
+        with pytest.raises(ValueError, match=r"h must be \(T, 6\) \(the embedding width\), got shape \(2, 5\)"):
+            contract.ttm_head_contract(torch.randn(2, 5), left, right, side)
+    cores = [torch.ones(1, 1, 1) for _ in range(25)]
+    with pytest.raises(ValueError, match=r"at most 24 cores, got 25"):
+        contract.tt_linear_einsum(torch.ones(2, 1), cores, None, 12)
+    assert contract.tt_linear_einsum(torch.ones(2, 1), cores[:24], None, 12).shape == (2, 1)

@@ -69,6 +69,8 @@ def test_tt_ranks_caps_paper_profiles():
     (lambda: check_ranks("ranks", [1, 3, 1], 3), r"ranks must be a list of 4 ints"),
     (lambda: check_ranks("ranks", [2, 3, 1], 2), r"ranks must start and end with 1, got \[2, 3, 1\]"),
     (lambda: check_ranks("ranks", [1, 9, 1], 2, [1, 4, 1]), r"ranks\[1\]=9 exceeds the largest useful rank 4"),
+    (lambda: check_ranks("ranks", [1, 5, 1], 2, [1, 4, 1]), r"ranks\[1\]=5 exceeds the largest useful rank 4"),
+    (lambda: check_ranks("ranks", [1, 3, 2], 2), r"ranks must start and end with 1, got \[1, 3, 2\]"),
 ])
 def test_bad_input_names_parameter_and_value(call, match):
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from comera_dist.tensor.factorize import tt_ranks
-from comera_dist.tensor.tt import tt_init, tt_svd, tt_to_dense
+from comera_dist.tensor.tt import core_stds, scale_bonds, tt_init, tt_svd, tt_svd_modes, tt_to_dense
 from comera_dist.tensor.ttm import ttm_init, ttm_svd, ttm_to_dense
 
 
@@ -125,3 +125,37 @@ def test_format_bad_input():
         ttm_svd(torch.randn(10, 4), [3, 3], [2, 2], 4)
     with pytest.raises(ValueError, match=r"init std must be > 0, got 0"):
         tt_init([2], [2], [1, 2, 1], 0.0)
+    with pytest.raises(ValueError, match=r"ranks has length 4, expected 3"):
+        tt_init([2], [2], [1, 2, 2, 1], 1.0)  # one rank too many: would drop or misplace a core
+    with pytest.raises(ValueError, match=r"ranks has length 2, expected 3"):
+        tt_init([2], [2], [1, 1], 1.0)
+    with pytest.raises(ValueError, match=r"ranks has length 2, expected 3"):
+        ttm_init([2, 2], [2, 2], [1, 1], 1.0)  # would silently build a single core
+    with pytest.raises(ValueError, match=r"row_modes \[2, 2\] and col_modes \[2, 2, 2\] must have the same length"):
+        ttm_init([2, 2], [2, 2, 2], [1, 2, 1], 1.0)  # would silently drop the last column mode
+    with pytest.raises(ValueError, match=r"row_modes \[2, 5\] and col_modes \[4\] must have the same length"):
+        ttm_svd(torch.randn(10, 4), [2, 5], [4], 4)
+    with pytest.raises(ValueError, match=r"rank 3 at bond 1 exceeds the unfolding rank limit 2"):
+        tt_svd_modes(torch.randn(6), [2, 3], [1, 3, 1])  # a (2 x 3) unfolding has 2 singular values
+    with pytest.raises(ValueError, match=r"3 masks for 2 cores"):
+        scale_bonds([torch.ones(1, 2, 2), torch.ones(2, 2, 1)], [torch.ones(2), torch.ones(1), torch.ones(1)])
+
+
+def test_core_stds_divide_by_the_right_rank():
+    """Method doc section 1: ``G_k ~ N(0,1)/sqrt(r_k) * s^(1/#cores)``, r_k the core's *right* rank.
+    (Dividing by r_{k-1} gives the same product variance, so the entry-std tests cannot tell.)"""
+    s, ranks = 0.3, [1, 3, 5, 1]
+    root = s ** (1 / 3)
+    assert core_stds(ranks, s) == pytest.approx([root / math.sqrt(3), root / math.sqrt(5), root])
+    cores = tt_init([40], [40, 40], ranks, s, torch.Generator().manual_seed(0), torch.float64)
+    for c, want in zip(cores, core_stds(ranks, s)):
+        assert abs(c.std().item() / want - 1) < 0.15
+
+
+def test_tt_svd_balances_the_core_norms():
+    """TT-SVD leaves the norm in the last core; ``_balance`` spreads it evenly, product unchanged."""
+    W = torch.randn(12, 10, dtype=torch.float64) * 7
+    cores = tt_svd(W, [3, 4], [5, 2], max_rank=10**6)
+    norms = torch.stack([c.norm() for c in cores])
+    torch.testing.assert_close(norms, norms.mean().expand(4), rtol=1e-10, atol=0)
+    torch.testing.assert_close(tt_to_dense(cores, None, 2), W, rtol=1e-10, atol=1e-10)

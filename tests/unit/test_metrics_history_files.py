@@ -37,12 +37,18 @@ def test_a_resume_continues_the_history_inside_its_checkpoint(tmp_path):
     assert [(s, ok) for s, ok, _ in resumed.history.checkpoints] == [(4, True)]  # its own record is inside
 
 
-def test_a_checkpoint_without_a_history_reads_the_one_beside_the_report(tmp_path, caplog):
+def _history_beside_the_report(tmp_path, last: int) -> None:
+    """A run that logged ``train_loss`` for steps 1..``last`` and wrote its history beside the report, and an
+    ``old`` checkpoint directory that holds none (written before checkpoints carried it)."""
     m = _metrics(tmp_path)
-    for step in range(1, 5):
+    for step in range(1, last + 1):
         m.log({"train_loss": float(step)}, step)
-    (tmp_path / HISTORY_FILE).write_text(json.dumps({"step": 4, "history": m.history.state()}))
+    (tmp_path / HISTORY_FILE).write_text(json.dumps({"step": last, "history": m.history.state()}))
     (tmp_path / "old").mkdir()
+
+
+def test_a_checkpoint_without_a_history_reads_the_one_beside_the_report(tmp_path, caplog):
+    _history_beside_the_report(tmp_path, 4)
     resumed = _metrics(tmp_path)
     resumed.restore_history(4, tmp_path / "old")
     assert [s for s, _ in resumed.history.scalars["train_loss"]] == [1, 2, 3, 4]
@@ -61,11 +67,7 @@ def test_other_ranks_write_no_history(tmp_path):
 
 
 def test_a_history_older_than_the_checkpoint_is_used_and_named_in_the_log(tmp_path, caplog):
-    m = _metrics(tmp_path)
-    for step in range(1, 3):
-        m.log({"train_loss": float(step)}, step)
-    (tmp_path / HISTORY_FILE).write_text(json.dumps({"step": 2, "history": m.history.state()}))
-    (tmp_path / "old").mkdir()
+    _history_beside_the_report(tmp_path, 2)
     exact = _metrics(tmp_path)
     exact.restore_history(2, tmp_path / "old")
     assert "misses the steps between" not in caplog.text

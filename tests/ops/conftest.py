@@ -11,22 +11,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+
+from opsmarks import REPO
+
 sys.path.insert(0, str(REPO / "monitoring/ci"))
 
 from slurmharness import SlurmCluster, free_port_block
-
-NEEDS_SLURM = [b for b in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(b) is None]
-NEEDS_PROM = [b for b in ("prometheus", "promtool") if shutil.which(b) is None]
-# the daemons run as root here (slurmd spawns jobs as their user, munged drops to user munge)
-SLURM_UNMET = [f"{b} not on PATH" for b in NEEDS_SLURM] + ([] if os.geteuid() == 0 else [f"euid {os.geteuid()} is not root"])
-
-requires_slurm = pytest.mark.skipif(
-    bool(SLURM_UNMET), reason=f"real Slurm needs root and Debian slurmctld/slurmd/munge ({'; '.join(SLURM_UNMET)}); "
-                              "launch/setup.sh --dev installs them")
-requires_prometheus = pytest.mark.skipif(
-    bool(NEEDS_PROM), reason=f"needs Debian prometheus/promtool (missing: {NEEDS_PROM}); launch/setup.sh --dev")
 
 # CI sets COMERA_REQUIRE_SERVICES=1: there every skip in this folder (a missing program, not
 # root, or any other reason) is a failure that names the reason, never a quiet "s".

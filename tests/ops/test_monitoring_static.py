@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import yaml
 from check_dashboard import DASHBOARD, expressions, promtool_errors, provisioned_uids, structure_errors
-from conftest import REPO, requires_prometheus
+from opsmarks import REPO, requires_prometheus
 
 from comera_dist.metrics import MetricsConfig, build_metrics
 

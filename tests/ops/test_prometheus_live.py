@@ -19,7 +19,7 @@ import promserver
 import pytest
 import torch
 from check_dashboard import DASHBOARD, expressions
-from conftest import requires_prometheus
+from opsmarks import requires_prometheus
 from slurmharness import free_port_block
 from torch import nn
 

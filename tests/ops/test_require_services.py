@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from opsmarks import REPO
 
 NODE = "tests/ops/test_slurm_harness.py::test_bad_config_path_is_a_clear_error"
 AS_USER_1000 = "import os, sys, pytest; os.geteuid = lambda: 1000; sys.exit(pytest.main(sys.argv[1:]))"

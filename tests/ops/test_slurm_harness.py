@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, requires_slurm
+from opsmarks import REPO, requires_slurm
 from slurmharness import cpu_overrides, free_port_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]

@@ -14,7 +14,7 @@ import time
 import promserver
 import pytest
 from check_dashboard import DASHBOARD, expressions
-from conftest import REPO, requires_prometheus, requires_slurm
+from opsmarks import REPO, requires_prometheus, requires_slurm
 from slurmharness import cpu_overrides, free_port_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, requires_slurm]

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 
@@ -167,15 +166,21 @@ def _dry_run(args: argparse.Namespace) -> int:
     world_size = _world_size(args.world_size)
     cfg = _checked_config(args, world_size)
     _print_warnings(cfg)
-    summary = run_summary(cfg, world_size=world_size)
     refused, target = None, None
     try:  # the sizes of any arch are worth a look; whether pretrain would take it is the exit status
         check_pretrainable(cfg)
         target = check_local_inputs(cfg)
     except ConfigError as e:
         refused = e
+    plans = target[1].get("plans", []) if target else []  # a resume's sizes: its checkpoint's shapes
+    try:
+        summary = run_summary(cfg, world_size=world_size, plans=plans)
+    except ConfigError as e:
+        if not plans:
+            raise
+        raise ConfigError(f"train.resume: checkpoint {target[0]}: {e}") from None
     if refused is None:  # what a refused config's run would resume is moot
-        summary["resume"] = None if target is None else str(target)
+        summary["resume"] = None if target is None else str(target[0])
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     if refused is not None:
         print(f"comera pretrain: error: {refused} (the summary above is for inspection only)", file=sys.stderr)
@@ -191,17 +196,15 @@ def _check_config(args: argparse.Namespace) -> int:
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
     target = check_local_inputs(cfg)
     _print_warnings(cfg)
-    start = "starts fresh" if target is None else f"resumes {target} if it verifies{_nothing_left(cfg, target)}"
+    start = "starts fresh" if target is None else f"resumes {target[0]} if it verifies{_nothing_left(cfg, target[1])}"
     print(f"comera pretrain: {args.config}: config accepted, {start} (the batch arithmetic is checked at the run's "
           "world size: --dry-run --world-size N)")
     return 0
 
 
-def _nothing_left(cfg, checkpoint: Path) -> str:
-    """What the run would say after resuming ``checkpoint``, when its step is already ``train.steps``."""
-    from comera_dist.engine.checkpoint_layout import read_meta
-
-    step = read_meta(checkpoint).get("step")
+def _nothing_left(cfg, meta: dict) -> str:
+    """What the run would say after resuming the checkpoint of ``meta``, when its step is already ``train.steps``."""
+    step = meta.get("step")
     if not isinstance(step, int) or step < cfg.train.steps:
         return ""
     return f", at step {step} of train.steps={cfg.train.steps}: nothing to train (--set train.steps=N trains on)"

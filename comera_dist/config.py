@@ -182,10 +182,10 @@ def check_pretrainable(cfg: RunConfig) -> None:
         _check_directory_path(key, path)
 
 
-def check_local_inputs(cfg: RunConfig) -> Path | None:
+def check_local_inputs(cfg: RunConfig) -> tuple[Path, dict[str, Any]] | None:
     """The local inputs a run reads once its ranks are up: ``data.files`` (``source: files``; each must exist and
     the builder be inferable), ``data.tokenizer.pretrained``, a ``train.resume`` path, and the checkpoint the run
-    would resume, which must fit the config (``_resume_target``; returned, None for a fresh start).
+    would resume, which must fit the config (``_resume_target``; returned with its meta, None for a fresh start).
     ``--check-config`` and ``--dry-run`` look on the submitting host (a cluster's shared filesystem), where a
     wrong path costs no queue wait; the run finds them again itself."""
     from comera_dist.data import sources
@@ -208,10 +208,10 @@ def check_local_inputs(cfg: RunConfig) -> Path | None:
     return _resume_target(cfg, restarts)
 
 
-def _resume_target(cfg: RunConfig, restarts: int) -> Path | None:
-    """The checkpoint the run would resume first (``checkpoint_layout.resume_candidate``), read only and checked
-    against ``cfg``: a changed ``model.hidden_size`` under ``resume auto`` was refused only once the ranks were
-    up, after a Slurm queue wait. None: a fresh start."""
+def _resume_target(cfg: RunConfig, restarts: int) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint the run would resume first and its meta (``checkpoint_layout.resume_candidate``), read only
+    and checked against ``cfg``: a changed ``model.hidden_size`` under ``resume auto`` was refused only once the
+    ranks were up, after a Slurm queue wait. None: a fresh start."""
     from comera_dist.engine import checkpoint_layout as layout  # no torch or DeepSpeed: a login node's check
 
     root = Path(cfg.train.output_dir) / "checkpoints"
@@ -224,7 +224,7 @@ def _resume_target(cfg: RunConfig, restarts: int) -> Path | None:
             layout.check_compatible(found[1], layout.identity(cfg), found[0], one_line=True)
     except layout.CheckpointError as e:
         raise ConfigError(f"train.resume={spec}: {e}") from None
-    return found and found[0]
+    return found
 
 
 def slurm_restarts() -> int:

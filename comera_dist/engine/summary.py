@@ -8,13 +8,16 @@ Nothing is written and no process group is started.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from comera_dist.compression.accounting import compression_report
 from comera_dist.compression.groups import param_groups
+from comera_dist.compression.pruning import PruningPlan, apply_plan
 from comera_dist.config import RunConfig, resolved_dict
+from comera_dist.configbase import ConfigError
 from comera_dist.engine.config import solve_batch_sizes, to_deepspeed_dict
 from comera_dist.engine.model_factory import build_run_model
 from comera_dist.layers import TiedTTHead, TTEmbedding
@@ -40,9 +43,16 @@ def _linear_flops(model: nn.Module) -> int:
     return sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
-    """Plain-data summary of ``cfg`` on ``world_size`` ranks (JSON-ready)."""
+def run_summary(cfg: RunConfig, *, world_size: int, plans: Sequence[str] = ()) -> dict[str, Any]:
+    """Plain-data summary of ``cfg`` on ``world_size`` ranks (JSON-ready). ``plans``: the pruning plans of the
+    checkpoint a resume would load (its meta's ``plans``, JSON): the sizes are then that checkpoint's shapes."""
     model = build_run_model(cfg)
+    for i, text in enumerate(plans):
+        try:
+            apply_plan(model, PruningPlan.from_json(text))
+        except (ValueError, TypeError) as e:  # the run's resume would fail on it too
+            raise ConfigError(f"the checkpoint's pruning plan {i + 1} of {len(plans)} does not apply to this "
+                              f"config's model: {e}") from None
     report = compression_report(model)
     modules = dict(model.named_modules())
     by_kind: dict[str, dict[str, Any]] = {}
@@ -86,6 +96,7 @@ def run_summary(cfg: RunConfig, *, world_size: int) -> dict[str, Any]:
     return {
         "arch": cfg.model.arch,
         "world_size": world_size,
+        "prunes": len(plans),
         "batch": {"global": sizes.global_batch, "micro": sizes.micro_batch,
                   "accumulation": sizes.accumulation, "tokens_per_step": sizes.global_batch * cfg.data.seq_len},
         "params": {"total": total, "dense_equivalent": report["leftover_params"] + report["dense_params_tensorized"],
@@ -129,9 +140,10 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append(f"  {kind:<9} x{e['count']:<3} TT params {e['active_params']:>12,} "
                          f"(each {', '.join(f'{v:,}' for v in each)}) vs dense {e['dense_params']:,}")
     lines.append(f"  encoder TT params {s['encoder_tt_params']:,} vs dense {s['encoder_dense_params']:,}")
-    if "resume" in s:  # the dry run's: the sizes above are the config's, a pruned checkpoint's are smaller
-        lines.append(f"resumes {s['resume']} if it verifies (at its own, possibly pruned, ranks)" if s["resume"]
-                     else "starts fresh (no checkpoint to resume)")
+    if "resume" in s:  # the dry run's
+        shapes = f"after its {s['prunes']} prune(s)" if s["prunes"] else "not pruned"
+        lines.append(f"resumes {s['resume']} if it verifies (the sizes above are its shapes, {shapes}; its gates "
+                     "may hold fewer ranks alive)" if s["resume"] else "starts fresh (no checkpoint to resume)")
     lines.append("DeepSpeed config:")
     lines.append(json.dumps(s["deepspeed"], indent=2))
     return "\n".join(lines)

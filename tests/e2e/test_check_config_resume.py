@@ -58,11 +58,11 @@ def test_a_config_the_checkpoint_does_not_fit_is_refused_before_the_run(named, m
     if mode == "--check-config":
         assert f"config accepted, resumes {ck} if it verifies" in out, out
     else:
-        assert f"\nresumes {ck} if it verifies (at its own, possibly pruned, ranks)\n" in out, out
+        assert f"\nresumes {ck} if it verifies (the sizes above are its shapes, not pruned;" in out, out
 
 
 def test_a_dry_runs_json_names_the_checkpoint_it_would_resume(capsys, tmp_path):
-    """Its sizes are the config's; a pruned checkpoint's are smaller."""
+    """And not where it would start fresh, or where the config is refused."""
     rc, out, err = _check(capsys, tmp_path / "run", "--json", mode="--dry-run")
     assert rc == 0 and json.loads(out)["resume"] is None, err
     ck = _checkpoint(tmp_path / "run" / "checkpoints", 3)
@@ -162,3 +162,50 @@ def test_a_finished_run_is_said_to_have_nothing_to_train(capsys, tmp_path):
                         "train.steps=N trains on)") in out, err
     rc, out, err = _check(capsys, tmp_path / "run", "--set", "train.steps=8")
     assert rc == 0 and "nothing to train" not in out, err
+
+
+def _halving_plan(cfg) -> tuple[str, str]:
+    """A plan that keeps the first half of the first bond of the model's first tensorized layer, and that layer."""
+    from comera_dist.compression.pruning import PruningPlan, bond_dims
+    from comera_dist.engine.model_factory import build_run_model
+
+    dims = bond_dims(build_run_model(cfg))
+    name = next(iter(dims))
+    plan = PruningPlan(kept={name: {0: list(range(dims[name][0] // 2))}}, bond_dims=dims)
+    return name, plan.to_json()
+
+
+def test_a_dry_run_sizes_a_pruned_checkpoint_at_its_shapes(capsys, tmp_path):
+    """The sizes of a resume are those of the model it loads: the config's sliced by the meta's plans."""
+    run = tmp_path / "run"
+    ck = _checkpoint(run / "checkpoints", 3)
+    rc, out, err = _check(capsys, run, "--json", mode="--dry-run")
+    whole = json.loads(out)
+    assert rc == 0 and whole["prunes"] == 0, err
+    name, plan = _halving_plan(load_run_config(TINY, [f"train.output_dir={run}"]))
+    meta = json.loads((ck / layout.META).read_text())
+    (ck / layout.META).write_text(json.dumps(meta | {"plans": [plan]}))
+    rc, out, err = _check(capsys, run, "--json", mode="--dry-run")
+    pruned = json.loads(out)
+    assert rc == 0 and pruned["prunes"] == 1 and pruned["resume"] == str(ck), err
+    assert pruned["layers"][name]["active_params"] < whole["layers"][name]["active_params"]
+    assert pruned["params"]["total"] < whole["params"]["total"]
+    others = [n for n in whole["layers"] if n != name]
+    assert all(pruned["layers"][n] == whole["layers"][n] for n in others)
+    rc, out, err = _check(capsys, run, mode="--dry-run")
+    assert rc == 0 and f"\nresumes {ck} if it verifies (the sizes above are its shapes, after its 1 prune(s);" in out
+
+
+def test_a_dry_run_refuses_a_checkpoint_whose_plan_does_not_fit(capsys, tmp_path):
+    """A plan made for other bond sizes: the run's resume would fail on it after the queue wait."""
+    run = tmp_path / "run"
+    ck = _checkpoint(run / "checkpoints", 3)
+    name, plan = _halving_plan(load_run_config(TINY, [f"train.output_dir={run}"]))
+    bad = json.loads(plan)
+    bad["bond_dims"][name][0] += 1
+    meta = json.loads((ck / layout.META).read_text())
+    (ck / layout.META).write_text(json.dumps(meta | {"plans": [json.dumps(bad)]}))
+    rc, _, err = _check(capsys, run, mode="--dry-run")
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert f"train.resume: checkpoint {ck}: the checkpoint's pruning plan 1 of 1 does not apply" in err, err
+    assert f"layer {name!r} has bond sizes" in err, err

@@ -472,9 +472,10 @@ def test_a_warmup_run_that_prunes_logs_no_scheduler_warning(tmp_path):
     the builds drop that message (``engine.build.scheduler_start_quiet``). The pruned model still learns: its
     losses move after the prunes, where a dead embedding would pin them at ln 512 (the test's checks would then
     compare a model that no longer trains)."""
-    p = comera("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={tmp_path / 'run'}",
-               *PRUNING_RUN, "--set", "deepspeed.scheduler.kind=warmup_cosine",
-               "--set", "deepspeed.scheduler.warmup_steps=1")
+    out = tmp_path / "run"
+    run = ("pretrain", "--config", "configs/tiny-cpu.yaml", "--set", f"train.output_dir={out}", *PRUNING_RUN,
+           "--set", "deepspeed.scheduler.kind=warmup_cosine", "--set", "deepspeed.scheduler.warmup_steps=1")
+    p = comera(*run)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "physical prune, engine rebuilt" in p.stderr  # a second engine build
     assert "Attempting to get learning rate" not in p.stdout + p.stderr
@@ -482,6 +483,15 @@ def test_a_warmup_run_that_prunes_logs_no_scheduler_warning(tmp_path):
     losses = _train_losses(p.stderr)
     assert len(losses) == 6 and len(set(losses[3:])) == 3, losses  # steps 4-6, after the prune at 3
     assert all(abs(v - math.log(512)) > 1e-3 for v in losses[3:]), losses
+
+    # a dry run of its resume sizes the model that resume loads: the pruned checkpoint's parameters
+    dry = comera(*run, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    summary, latest = json.loads(dry.stdout), out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    saved = torch.load(latest / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    trained = [name for name in saved if not name.endswith(("tau", "bond_sizes"))]
+    assert summary["resume"] == str(latest) and summary["prunes"] >= 1, summary["resume"]
+    assert summary["params"]["allocated"] == sum(saved[name].numel() for name in trained)
 
 
 def test_a_dead_input_embedding_stops_the_run_and_a_resume_with_its_own_threshold_recovers(tmp_path):

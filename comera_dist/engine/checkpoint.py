@@ -138,8 +138,6 @@ def _my_share(names: list[str]) -> list[str]:
     return names[rank::world]
 
 
-
-
 def _failed(root: Path, tag: str) -> Path:
     """Where a re-save moves its new copy of ``tag`` when the read-back fails (swept by the next save)."""
     return root / f"{TMP_PREFIX}failed-{tag}"
@@ -266,18 +264,6 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     return removed
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def check(path: Path) -> list[str]:
     """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
 
@@ -345,8 +331,6 @@ def _log_incomplete(root: Path) -> None:
         log.warning("resume auto: skipping checkpoint %s, it is incomplete (no %s)", path, " or ".join(missing))
 
 
-
-
 def _reinstate(replaced: Path) -> Path:
     """Put a verified copy a re-save replaced back in place of the one that failed (collective); its final path.
 
@@ -358,8 +342,6 @@ def _reinstate(replaced: Path) -> Path:
         _put_back(replaced.parent, tag)
     dist.barrier()
     return replaced.parent / tag
-
-
 
 
 # The only non-tensor classes DeepSpeed 0.19 pickles into its shards (found with
@@ -391,9 +373,3 @@ def read_full_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file} is missing: checkpoint {path} predates elastic resume and can only be "
                               "loaded with the world size and ZeRO stage that wrote it")
     return torch.load(file, map_location="cpu", weights_only=True)
-
-
-
-
-
-

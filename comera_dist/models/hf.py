@@ -262,7 +262,8 @@ def _to_tt(lin: nn.Linear, spec: TensorizeSpec, kind: str, init: str) -> TTLinea
     else:
         in_modes, out_modes = explicit_modes(spec, kind, lin.in_features, lin.out_features)
         tt = TTLinear(lin.in_features, lin.out_features, in_modes=in_modes, out_modes=out_modes,
-                      num_cores=spec.num_cores, max_rank=spec.max_rank, bias=lin.bias is not None)
+                      num_cores=spec.num_cores, max_rank=spec.max_rank, bias=lin.bias is not None,
+                      dtype=lin.weight.dtype, device=lin.weight.device)  # the bias copied without rounding
         if lin.bias is not None:
             with torch.no_grad():
                 tt.bias.copy_(lin.bias)

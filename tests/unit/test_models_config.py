@@ -15,6 +15,9 @@ from comera_dist.models import ModelConfig
     ({"layer_norm_eps": 0.0}, "model.layer_norm_eps must be > 0"),
     ({"num_labels": 0}, "model.num_labels must be >= 1"),
     ({"type_vocab_size": -1}, "model.type_vocab_size must be >= 0"),
+    ({"dropout": -0.1}, r"model.dropout must be in \[0, 1\), got -0.1"),
+    ({"init_std": 0.0}, "model.init_std must be > 0, got 0.0"),
+    ({"max_positions": 0}, "model.max_positions must be >= 1, got 0"),
 ])
 def test_invalid_values_name_field_and_value(kw, msg):
     with pytest.raises(ValueError, match=msg):

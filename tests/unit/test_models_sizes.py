@@ -83,3 +83,12 @@ def test_paper_totals_need_bert_position_table():
         tt = build_model(six_encoder_paper(max_positions=128), SPEC)
     assert count_params(dense) == 66_957_315 - 294_912 == 66_662_403
     assert count_params(tt) == 1_490_157 - 294_912 == 1_195_245
+
+
+def test_the_paper_preset_is_bert_base_shaped():
+    """BERT-base's layout at six blocks (BERT's LayerNorm eps and dropout, two segments)."""
+    cfg = six_encoder_paper()
+    assert (cfg.arch, cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers) == \
+        ("six_encoder_cls", 768, 12, 3072, 30522, 6)
+    assert (cfg.layer_norm_eps, cfg.dropout, cfg.type_vocab_size, cfg.max_positions, cfg.num_labels) == \
+        (1e-12, 0.1, 2, 512, 3)

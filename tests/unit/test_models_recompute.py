@@ -140,6 +140,20 @@ def test_recomputing_model_compiles_fullgraph_with_the_plain_gradients(factors):
         torch.testing.assert_close(p.grad, grads_p[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_a_packed_recomputing_model_compiles_fullgraph():
+    """Packed (``engine.packing`` sets the model's ``recompute_context``) and compiled: Dynamo takes only
+    selective-checkpoint contexts, so the traced checkpoint runs without it, and the loss is the plain one."""
+    plain, recomputing = _pair("six_encoder_cls", SPEC, dropout=0.0)
+    for model in (plain, recomputing):
+        assert pack_vectors(model) is not None
+    batch = _batch("six_encoder_cls")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda b: recomputing(**b)["loss"], fullgraph=True, backend="aot_eager")
+    loss = compiled(batch)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), plain(**batch)["loss"].detach())
+
+
 def _peak(model: nn.Module, batch: dict[str, torch.Tensor], threads: int) -> int:
     """The step's peak of live tensors (``memory_probe.step_peak_bytes``: it sees what backward remakes), after
     a warm-up step (the gradients exist before the measured one), with ``threads`` intra-op threads."""

@@ -40,12 +40,18 @@ def test_left_padding_in_a_causal_model_gives_finite_logits_that_ignore_the_pads
     a, b = model(ids, attention_mask=mask)["logits"], model(other, attention_mask=mask)["logits"]
     assert torch.isfinite(a).all() and torch.isfinite(b).all()
     torch.testing.assert_close(a[:, 3:], b[:, 3:])
+    # Training on the CPU, attention dropout takes ``cpu_dropout.attention``'s own softmax, which (unlike SDPA's
+    # math path) turns a row of only -inf into NaN: the self-key is what keeps it finite there.
+    drop = _model("gpt", spec, dropout=0.1).train()
+    labels = ids.masked_fill(mask == 0, -100)
+    out = drop(ids, attention_mask=mask, labels=labels)
+    assert torch.isfinite(out["logits"]).all() and torch.isfinite(out["loss"])
 
 
 def test_an_all_padding_row_does_not_turn_the_loss_nan():
     """A batch row that is padding only (no real key at all) carries no label; the loss of the others stays
     finite."""
-    model = _model("bert_mlm", SPEC)
+    model = _model("bert_mlm", SPEC, dropout=0.1).train()  # the CPU's own attention-dropout path too
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[1] = 0

@@ -58,6 +58,8 @@ def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, capl
     with caplog.at_level("WARNING"):
         assert ckpt.check(path) == []
     assert "written before checkpoint manifests" in caplog.text and "cannot be verified" in caplog.text
+    (path / ckpt.META).unlink()  # nothing vouches for a legacy checkpoint's files: its meta at least must be there
+    assert ckpt.check(path) == [f"{path / ckpt.META}: missing"]
     (path / manifest.MARKER).write_text('{"format": 1, "files": {')
     assert "damaged manifest" in ckpt.check(path)[0]
     (path / manifest.MARKER).unlink()

@@ -155,3 +155,30 @@ def test_auto_names_a_checkpoint_it_passes_over_for_lacking_its_marker(engine, t
         assert ckpt.choose("auto", tmp_path) == first
     assert f"resume auto: skipping checkpoint {second}, it is incomplete (no {ckpt.MARKER})" in caplog.text
     assert str(first) not in caplog.text
+
+
+def test_a_callers_meta_cannot_replace_the_step_or_tag(engine, tmp_path):
+    """The step and tag in a checkpoint's meta are where it was saved, whatever the caller's meta holds."""
+    path = ckpt.save(engine, tmp_path, 4, client_state={}, meta={"step": 99, "tag": "x", "kept": 1},
+                     resolved_config={}, keep=1)
+    assert ckpt.read_meta(path) == {"step": 4, "tag": ckpt.tag_for(4), "kept": 1}
+
+
+def test_the_consolidated_state_is_written_and_a_missing_one_named(engine, tmp_path):
+    """``full_state`` is what an elastic resume loads; a checkpoint without it says it cannot do that."""
+    path = ckpt.save(engine, tmp_path, 2, client_state={}, meta={}, resolved_config={}, keep=2,
+                     full_state={"weights": torch.arange(3.0)})
+    assert torch.equal(ckpt.read_full_state(path)["weights"], torch.arange(3.0))
+    bare = _save(engine, tmp_path, 3)
+    with pytest.raises(ckpt.CheckpointError, match=f"{bare / ckpt.FULL_STATE} is missing: .* predates elastic"):
+        ckpt.read_full_state(bare)
+
+
+def test_auto_refuses_to_start_over_when_no_checkpoint_verifies(engine, tmp_path):
+    """Starting over would silently discard the run; the error names the way to do it on purpose."""
+    path = _save(engine, tmp_path, 3)
+    data = bytearray((path / MODEL).read_bytes())
+    data[-10] ^= 0xFF
+    (path / MODEL).write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="none of the 1 checkpoints .* pass --resume none to start over"):
+        ckpt.choose("auto", tmp_path)

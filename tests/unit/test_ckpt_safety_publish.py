@@ -119,6 +119,8 @@ def test_every_file_reaches_the_disk_before_the_manifest(engine, tmp_path, monke
     assert len(data) >= 3  # DeepSpeed's shard(s), the meta and the config
     late = [str(p) for p in [*data, path] if inode(p) not in synced[:marker]]
     assert not late, f"fsynced only after the manifest, or never: {late}"
+    latest = synced.index(inode(tmp_path / ckpt.LATEST))  # its new name too: a power loss keeps the old pointer
+    assert inode(tmp_path) in synced[latest + 1:], "`latest` was replaced, its directory never fsynced after"
 
 
 def test_side_files_are_published_under_the_manifest(engine, tmp_path):
@@ -148,3 +150,17 @@ def test_each_checkpoint_file_has_one_writer():
     assert ckpt.written_by(NAMES, 10) == ["zero_pp_rank_10_mp_rank_00_model_states.pt"]  # not rank 1's
     assert ckpt.written_by(NAMES, 0) == NAMES[:6]  # its shard, and every file not named for a rank
     assert ckpt.written_by(NAMES, 2) == []
+
+
+def test_a_stale_replaced_copy_is_not_put_back_by_a_failed_save(engine, tmp_path, monkeypatch):
+    """A ``.tmp-replaced-<tag>`` that an earlier crash left, with no checkpoint of that step in place: a save of
+    the step whose read-back fails must not publish the stale copy as the step, nor claim it put it back."""
+    _save(engine, tmp_path, 3, weight=1.0)
+    stale = tmp_path / f"{ckpt.TMP_PREFIX}replaced-{ckpt.tag_for(4)}"
+    stale.mkdir()
+    (stale / "stale").write_text("an older run's")
+    with monkeypatch.context() as m, pytest.raises(ckpt.CheckpointError, match="`latest` and older checkpoints"):
+        m.setattr(ckpt.manifest, "verify", lambda path, found, names=None: [f"{path}: digest differs"])
+        _save(engine, tmp_path, 4, weight=2.0)
+    assert not (tmp_path / ckpt.tag_for(4) / "stale").exists()
+    assert (tmp_path / ckpt.LATEST).read_text() == ckpt.tag_for(3)

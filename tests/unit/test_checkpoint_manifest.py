@@ -90,3 +90,48 @@ def test_keep_every_validated():
     assert TrainConfig(keep_every=100).keep_every == 100
     with pytest.raises(ValueError, match="train.keep_every must be >= 0, got -1"):
         TrainConfig(keep_every=-1)
+
+
+def test_a_flip_past_the_first_read_chunk_is_caught(tmp_path):
+    """Shards are GBs, read in 1 MiB chunks: every chunk goes into the digest, the last one too."""
+    path = _checkpoint(tmp_path, 1, {"big.pt": bytes(range(256)) * (10 << 10)})  # 2.5 MiB
+    data = bytearray((path / "big.pt").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "big.pt").write_bytes(bytes(data))
+    assert ckpt.check(path) == [f"{path / 'big.pt'}: xxh3_128 digest differs from the manifest (corrupted)"]
+
+
+def test_describing_for_a_save_fsyncs_each_file(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path, 1, {"a.pt": b"abc", "sub/b.pt": b"xyz"})
+    fsync, synced = manifest.os.fsync, []
+
+    def recording(fd):
+        synced.append(manifest.os.fstat(fd).st_ino)
+        fsync(fd)
+
+    monkeypatch.setattr(manifest.os, "fsync", recording)
+    manifest.describe(path, ["a.pt", "sub/b.pt"])
+    assert synced == []
+    manifest.describe(path, ["a.pt", "sub/b.pt"], sync=True)
+    assert synced == [(path / "a.pt").stat().st_ino, (path / "sub" / "b.pt").stat().st_ino]
+
+
+def test_a_manifest_is_read_as_one_whatever_leads_it_and_must_list_files(tmp_path):
+    """A marker with a leading newline is still a manifest to verify (not a legacy marker passed unchecked); one
+    without ``files`` is damaged."""
+    path = _checkpoint(tmp_path, 1, {"a.pt": b"abc"})
+    text = (path / manifest.MARKER).read_text()
+    (path / manifest.MARKER).write_text("\n" + text)
+    (path / "a.pt").write_bytes(b"abd")
+    assert ckpt.check(path) == [f"{path / 'a.pt'}: xxh3_128 digest differs from the manifest (corrupted)"]
+    (path / manifest.MARKER).write_text('{"format": 1, "tag": "step00000001", "algorithm": "xxh3_128"}')
+    with pytest.raises(ValueError, match="manifest lacks 'files' or 'algorithm'"):
+        manifest.read(path)
+
+
+def test_a_rank_with_no_share_verifies_nothing(tmp_path):
+    """More ranks than files: a rank's share is empty, and it reads nothing (the others read every file)."""
+    path = _checkpoint(tmp_path, 1, {"a.pt": b"abc"})
+    (path / "a.pt").write_bytes(b"abd")
+    assert manifest.verify(path, manifest.read(path), []) == []
+    assert len(manifest.verify(path, manifest.read(path))) == 1

@@ -9,17 +9,8 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    BertConfig,
-    BertForMaskedLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
 
 from comera_dist.compression.config import TensorizeConfig
 from comera_dist.layers import TTLinear
@@ -55,9 +46,9 @@ def test_gpt2_with_an_inner_width_other_than_4d_tensorizes_exactly():
 def test_llama_with_an_explicit_head_dim_tensorizes_exactly():
     """``head_dim`` 8 with 4 heads of a 16-wide model: Q is 16 -> 32, K/V 16 -> 16, O 32 -> 16."""
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, intermediate_size=32,
-                                      max_position_embeddings=16, initializer_range=0.2)).double().eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, max_position_embeddings=16, initializer_range=0.2)).double().eval()
     assert hf.model.layers[0].self_attn.q_proj.weight.shape == (32, 16)
     tt = tensorize(copy.deepcopy(hf), FULL).eval()
     assert tt.model.layers[0].self_attn.o_proj.in_features == 32
@@ -66,8 +57,9 @@ def test_llama_with_an_explicit_head_dim_tensorizes_exactly():
 
 def _gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16,
-                                      bos_token_id=0, eos_token_id=0, initializer_range=0.2)).double().eval()
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0,
+        initializer_range=0.2)).double().eval()
 
 
 def test_an_attention_override_applies_to_each_of_gpt2s_fused_q_k_v():
@@ -81,7 +73,7 @@ def test_an_attention_override_applies_to_each_of_gpt2s_fused_q_k_v():
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_random_init_keeps_the_dense_biases(name):
     torch.manual_seed(0)
-    dense = _gpt2() if name == "gpt2" else BertForMaskedLM(BertConfig(
+    dense = _gpt2() if name == "gpt2" else transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, initializer_range=0.2)).double().eval()
     with torch.no_grad():
@@ -113,9 +105,9 @@ def test_load_tt_of_a_file_missing_a_tensor_is_an_error_naming_it(tmp_path):
 
 def test_save_tt_load_tt_round_trips_a_tensorized_llama_without_biases(tmp_path):
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=32, max_position_embeddings=16,
-                                      initializer_range=0.2)).double().eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, max_position_embeddings=16, initializer_range=0.2)).double().eval()
     tt = tensorize(hf, SMALL)
     assert tt.model.layers[0].self_attn.q_proj.bias is None
     save_tt(tt, tmp_path)
@@ -149,7 +141,7 @@ def test_the_exported_config_carries_dropout_and_layernorm_eps(arch):
 def test_an_untied_model_exports_untied(arch, tmp_path):
     model = _ours(arch, tie_word_embeddings=False)
     export_dense(model, tmp_path)
-    auto = AutoModelForMaskedLM if arch == "bert_mlm" else AutoModelForCausalLM
+    auto = transformers.AutoModelForMaskedLM if arch == "bert_mlm" else transformers.AutoModelForCausalLM
     loaded = auto.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
     assert loaded.config.tie_word_embeddings is False
     assert loaded.get_output_embeddings().weight is not loaded.get_input_embeddings().weight

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from comera_dist.compression.accounting import SizeCounter, compression_report, model_size
 from comera_dist.compression.controller import RankController
 from comera_dist.compression.penalty import rank_penalty
-from comera_dist.compression.pruning import PruningPlan
+from comera_dist.compression.pruning import PruningPlan, prune_due
 from comera_dist.compression.walk import tensorized_modules
 from comera_dist.engine import elastic
 from comera_dist.engine import resume as resume_mod
@@ -465,7 +465,7 @@ class TrainSession:
         Collective. The surviving AdamW moments, step count and LR-schedule position carry over.
         """
         p = self.cfg.comera.pruning
-        if p.every == 0 or step < p.start_step or step % p.every or not self.penalty.active:
+        if not prune_due(p, step) or not self.penalty.active:  # every `every` steps counted from start_step
             return False
         state = gather_full_state(self.engine)
         # The gathered state lives on the engine's device; so must the model it is sliced with

@@ -131,12 +131,13 @@ def test_prune_and_rebuild_zero1_zero3(short_runs):
 
 def _poison(module, rank: int, armed: dict) -> None:
     """Rank 0's loss becomes NaN while ``armed["on"]``: only the all-reduce tells rank 1. With
-    ``armed["from"] = k`` only the k-th and later forwards since arming are poisoned (a later micro-batch)."""
+    ``armed["from"] = k`` only the k-th and later forwards since arming are poisoned (a later micro-batch).
+    With ``armed["add"]`` the NaN is added: the loss is NaN, its gradients stay finite."""
     def hook(_mod, _args, out):
         if armed["on"]:
             armed["calls"] = armed.get("calls", 0) + 1
             if rank == 0 and armed["calls"] > armed.get("from", 0):
-                out["loss"] = out["loss"] * float("nan")
+                out["loss"] = out["loss"] + float("nan") if armed.get("add") else out["loss"] * float("nan")
         return out
     module.register_forward_hook(hook)
 
@@ -200,23 +201,28 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
         _poison(s.module, rank, armed)
         s.train_step([batch(1, rank, m) for m in range(accum)])
         before, steps_before = full_params(s), optimizer_step_count(s.engine)
+        controller_before = s.controller.state_dict()
         armed["on"] = True
         skipped = s.train_step([batch(2, rank, m) for m in range(accum)])
         armed["on"] = False
         unchanged = all(torch.equal(v, before[n]) for n, v in full_params(s).items())
         steps_after_skip = optimizer_step_count(s.engine)
+        controller_after_skip = s.controller.state_dict()
         good = s.train_step([batch(3, rank, m) for m in range(accum)])
         out[f"nan{stage}"] = {"skipped": skipped, "unchanged": unchanged, "good": good,
+                              "controller": (controller_before, controller_after_skip),
                               "counts": (steps_before, steps_after_skip, optimizer_step_count(s.engine)),
                               "total": s.nonfinite_total}
         s.close()
     # Only the second micro-batch is NaN: the first is already back-propagated into ZeRO's buffers when
     # the all-reduce reports it, so the session poisons the rest and DeepSpeed skips the step.
-    for stage, precision in ((1, "fp32"), (2, "bf16"), (3, "bf16")):
-        cfg = tiny_config(f"{outdir}/late{stage}", zero_stage=stage, accumulation=2, precision=precision,
+    # "late1-add": the NaN added (finite gradients): only the session's poisoning of the objective makes them NaN.
+    for key, stage, precision in (("late1", 1, "fp32"), ("late2", 2, "bf16"), ("late3", 3, "bf16"),
+                                  ("late1-add", 1, "fp32")):
+        cfg = tiny_config(f"{outdir}/{key}", zero_stage=stage, accumulation=2, precision=precision,
                           scheduler={"kind": "warmup_decay", "warmup_steps": 3})
         s = TrainSession.create(cfg, factory(cfg), world_size=world_size)
-        armed = {"on": False, "from": 1}
+        armed = {"on": False, "from": 1, "add": key.endswith("-add")}
         _poison(s.module, rank, armed)
         s.train_step([batch(1, rank, m) for m in range(2)])
         before, steps_before = full_params(s), optimizer_step_count(s.engine)
@@ -225,7 +231,7 @@ def _features(rank: int, world_size: int, outdir: str) -> dict:
         armed["on"] = True
         skipped = s.train_step([batch(2, rank, m) for m in range(2)])
         armed["on"] = False
-        out[f"late{stage}"] = {
+        out[key] = {
             "skipped": skipped.skipped_nonfinite, "calls": armed["calls"],
             "controller": (controller_before, s.controller.state_dict()),
             "unchanged": all(torch.equal(v, before[n]) for n, v in full_params(s).items()),
@@ -303,7 +309,8 @@ def test_nonfinite_skip_schedule_bf16(short_runs):
             assert math.isfinite(case["good"].task_loss)
             before, after_skip, after_good = case["counts"]
             assert before == after_skip == 1 and after_good == 2  # the optimizer never ran on the NaN step
-        for key in ("late1", "late2", "late3"):  # ZeRO 1 fp32, ZeRO 2 and 3 bf16; the NaN in the 2nd micro-batch
+            assert case["controller"][1] == case["controller"][0], key  # nor did the rank controller move
+        for key in ("late1", "late2", "late3", "late1-add"):  # ZeRO 1 fp32, ZeRO 2 and 3 bf16; NaN in the 2nd micro-batch
             case = r[key]
             assert case["skipped"] and case["calls"] == 2, key  # one forward per micro-batch: no probe
             assert case["ds_skipped"] == 1, key  # DeepSpeed's own overflow skip did it

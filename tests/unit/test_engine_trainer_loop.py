@@ -76,10 +76,13 @@ class _Session:
     """What the loop calls on a ``TrainSession``; ``skip`` steps are non-finite, ``raise_at`` raises there."""
 
     def __init__(self, cfg, clock: _Clock, events: list, *, skip=(), raise_at=None, client=None, prune_at=(),
-                 size: int = 10) -> None:
+                 size: int = 10, gates_finite: bool = True, state_finite: bool = True) -> None:
         self.cfg, self.clock, self.events = cfg, clock, events
         self.skip, self.raise_at, self.client, self.prune_at, self.size = set(skip), raise_at, client, set(prune_at), size
+        self.finite_gates, self.state_finite = gates_finite, state_finite
         self.module = nn.Linear(2, 2)
+        self.engine = SimpleNamespace(compiled=0, is_compiled=False)
+        self.engine.compile = lambda backend, compile_kwargs: setattr(self.engine, "compiled", self.engine.compiled + 1)
         self.steps, self.saves, self.closed = 0, [], False
         self.batches: list = []
 
@@ -109,7 +112,7 @@ class _Session:
                 "compression_ratio_model": 3.0, "compression_ratio_tensorized": 6.0, "leftover_params": 5}
 
     def gates_finite(self) -> bool:
-        return True
+        return self.finite_gates
 
     def ranks(self) -> dict:
         return {"l": [2]}
@@ -129,7 +132,7 @@ class _Session:
         self.saves.append({"step": step, "client": client_state, "retain": retain, "side_files": side_files,
                            "meta_fields": meta_fields})
         self.events.append(("save", step))
-        return self.checkpoint_root / f"step{step:08d}"
+        return self.checkpoint_root / f"step{step:08d}" if self.state_finite else None  # None: nothing written
 
     def close(self) -> None:
         self.closed = True
@@ -415,3 +418,36 @@ def test_a_prune_reads_the_ranks_and_the_slower_values_at_its_step(job):
     assert j.metrics.ranks_at == [2, 3, 4, 6]
     assert "compression_ratio" in j.metrics.logged[3]
     assert math.isfinite(j.metrics.logged[3]["train_loss"])
+
+
+def test_a_nonfinite_stop_of_a_nonfinite_state_writes_nothing_and_says_so(job, caplog):
+    caplog.set_level(logging.INFO, logger="comera_dist.engine.trainer")
+    j = job(skip={1, 2}, state_finite=False)
+    assert j.run() == trainer.EXIT_NONFINITE
+    assert j.metrics.saved == [(False, 2)]  # the save refused: counted as a failed checkpoint
+    assert any(line.startswith("non-finite stop: state non-finite, nothing written") for line in j.lines(caplog))
+
+
+def test_a_resume_from_a_checkpoint_without_a_tokenizer_digest_goes_on(job):
+    """Checkpoints from before the digest was recorded hold none: nothing to compare, the run resumes."""
+    j = job(client={"step": 5, "data_state": {"position": 5}, "checkpoint_dir": "/ckpt/s5"})
+    assert j.run("auto") == trainer.EXIT_OK
+    assert [b[0]["position"] for b in j.session.batches] == [6, 7]
+
+
+def test_ranks_that_read_dead_because_the_gates_are_not_finite_are_no_collapse(job, caplog):
+    """S = 0 from NaN gates: that state is the non-finite guard's to stop, not exit 4 (a collapse's message points
+    at the rank penalty's settings); the loop goes on and says why the ranks read dead."""
+    caplog.set_level(logging.INFO, logger="comera_dist.engine.trainer")
+    j = job(size=0, gates_finite=False)
+    assert j.run() == trainer.EXIT_OK
+    assert j.session.steps == 7 and [s["step"] for s in j.session.saves] == [4, 7]
+    assert any(line.startswith("ranks read dead because rank gates are not finite") for line in j.lines(caplog))
+
+
+def test_a_compiled_run_compiles_again_after_each_prune(job, monkeypatch):
+    """A prune rebuilds the engine around a new module: ``train.compile`` traces it again."""
+    monkeypatch.setattr(trainer.torch.compiler, "reset", lambda: None)
+    j = job("train.compile=true", prune_at={3, 6})
+    assert j.run() == trainer.EXIT_OK
+    assert j.session.engine.compiled == 3  # at the start, after the prune at 3 and after the one at 6

@@ -197,6 +197,6 @@ def test_maybe_prune_prunes_at_the_pruning_schedule(tmp_path, monkeypatch, every
 
 def test_a_dense_model_never_prunes(tmp_path, monkeypatch):
     s = _session(tmp_path, "comera.pruning.every=1", "comera.pruning.start_step=0")
-    assert not s.penalty.active
+    assert not s.penalty.active and s.size() == 0  # no gate: S is 0
     monkeypatch.setattr(session_mod, "gather_full_state", lambda engine: pytest.fail("a dense model gathered"))
     assert not any(s.maybe_prune(step) for step in range(1, 5))

@@ -42,10 +42,12 @@ class _Model(nn.Module):
         return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100), "logits": logits}
 
 
-def _session(group, tmp_path: Path, *overrides: str, accumulation: int = 2, grad_norm="deepspeed") -> TrainSession:
-    """A session on a fresh ZeRO-0 DeepSpeed engine in ``group`` (the conftest's engine: its process group);
-    ``grad_norm``: the norm the engine reports, else DeepSpeed's own (None: no clipping configured)."""
-    del group  # only its process group is needed
+pytestmark = pytest.mark.usefixtures("engine")  # the conftest's engine: its one-process group is what is used
+
+
+def _session(tmp_path: Path, *overrides: str, accumulation: int = 2, grad_norm="deepspeed") -> TrainSession:
+    """A session on a fresh ZeRO-0 DeepSpeed engine in the module's process group; ``grad_norm``: the norm the
+    engine reports, else DeepSpeed's own (None: no clipping configured)."""
     cfg = load_run_config(REPO / "configs/tiny-cpu.yaml", [
         f"train.output_dir={tmp_path / 'run'}", "deepspeed.zero_stage=0",
         f"deepspeed.gradient_accumulation_steps={accumulation}", "metrics.prometheus=false", *overrides])
@@ -68,8 +70,8 @@ def _batch(seed: int, *, poison: bool = False) -> dict[str, torch.Tensor]:
     return {"x": x, "labels": torch.randint(0, VOCAB, (2, 3), generator=g)}
 
 
-def test_a_step_takes_exactly_the_configured_micro_batches(engine, tmp_path):
-    s = _session(engine, tmp_path, accumulation=2)
+def test_a_step_takes_exactly_the_configured_micro_batches(tmp_path):
+    s = _session(tmp_path, accumulation=2)
     for given in ([_batch(1)], [_batch(1), _batch(2), _batch(3)]):
         with pytest.raises(ValueError, match=rf"got {len(given)} micro-batches, the config accumulates 2"):
             s.train_step(given)
@@ -78,21 +80,21 @@ def test_a_step_takes_exactly_the_configured_micro_batches(engine, tmp_path):
     assert not out.skipped_nonfinite and s.engine.global_steps == 1 and s.steps_done == 1
 
 
-def test_a_step_without_a_reported_gradient_norm_says_nan(engine, tmp_path):
+def test_a_step_without_a_reported_gradient_norm_says_nan(tmp_path):
     """ZeRO 0's plain optimizer path records no norm (DeepSpeed's ``None``): the session reports nan, not a
     norm of 0; a norm DeepSpeed reports comes through as it is."""
-    s = _session(engine, tmp_path)
+    s = _session(tmp_path)
     with torch.no_grad():
         want = sum(float(s.module(**_batch(i))["loss"]) for i in (1, 2)) / 2  # the micro-batches' mean loss
     out = s.train_step([_batch(1), _batch(2)])
     assert math.isnan(out.grad_norm) and out.task_loss == pytest.approx(want)
-    assert _session(engine, tmp_path, grad_norm=2.5).train_step([_batch(1), _batch(2)]).grad_norm == 2.5
+    assert _session(tmp_path, grad_norm=2.5).train_step([_batch(1), _batch(2)]).grad_norm == 2.5
 
 
-def test_a_skipped_step_counts_as_a_step_and_as_a_nonfinite_one(engine, tmp_path):
+def test_a_skipped_step_counts_as_a_step_and_as_a_nonfinite_one(tmp_path):
     """A non-finite micro-batch skips the whole step (the probe finds it before any backward): nothing is applied,
     and both counters move, so the next step is the run's second (the rank controller's step, saved in a checkpoint)."""
-    s = _session(engine, tmp_path)
+    s = _session(tmp_path)
     w = s.module.w.detach().clone()
     out = s.train_step([_batch(1), _batch(2, poison=True)])
     assert out.skipped_nonfinite and math.isnan(out.task_loss) and math.isnan(out.grad_norm)
@@ -104,19 +106,19 @@ def test_a_skipped_step_counts_as_a_step_and_as_a_nonfinite_one(engine, tmp_path
 
 @pytest.mark.parametrize("norm", [-1.0, float("nan"), float("inf"), torch.tensor(float("inf"))],
                          ids=["sentinel", "nan", "inf", "tensor-inf"])
-def test_unchecked_bf16_stops_on_a_nonfinite_gradient_norm_and_its_sentinel(engine, tmp_path, norm):
+def test_unchecked_bf16_stops_on_a_nonfinite_gradient_norm_and_its_sentinel(tmp_path, norm):
     """bf16 at ZeRO 1 without DeepSpeed's overflow check: nothing skipped the step, so a gradient norm that is
     not finite, or DeepSpeed's -1 for one, means corrupt weights: the session raises. A finite norm does not."""
     args = ("deepspeed.zero_stage=1", "deepspeed.precision=bf16", "deepspeed.bf16_overflow_check=false")
-    s = _session(engine, tmp_path, *args, grad_norm=norm)
+    s = _session(tmp_path, *args, grad_norm=norm)
     assert s.bf16_unchecked
     with pytest.raises(NonFiniteGradientsApplied, match="the gradients were not finite"):
         s.train_step([_batch(1), _batch(2)])
-    assert _session(engine, tmp_path, *args, grad_norm=0.0).train_step([_batch(1), _batch(2)]).grad_norm == 0.0
+    assert _session(tmp_path, *args, grad_norm=0.0).train_step([_batch(1), _batch(2)]).grad_norm == 0.0
 
 
-def test_an_evaluation_without_a_label_token_is_nan_not_a_perfect_score(engine, tmp_path):
-    s = _session(engine, tmp_path)
+def test_an_evaluation_without_a_label_token_is_nan_not_a_perfect_score(tmp_path):
+    s = _session(tmp_path)
     unlabelled = {**_batch(1), "labels": torch.full((2, 3), -100)}
     loss, accuracy = s.evaluate([unlabelled])
     assert math.isnan(loss) and math.isnan(accuracy)
@@ -132,10 +134,10 @@ class _Pruned(Exception):
 
 
 @pytest.mark.parametrize(("every", "start"), [(3, 0), (4, 5), (1, 8), (4, 2), (0, 0)])
-def test_maybe_prune_prunes_at_the_pruning_schedule(engine, tmp_path, monkeypatch, every, start):
+def test_maybe_prune_prunes_at_the_pruning_schedule(tmp_path, monkeypatch, every, start):
     """``comera.pruning``'s schedule is ``prune_due``'s (every ``every`` steps counted from ``start_step``),
     the one the benchmarks and the docs use: a start that is not a multiple of ``every`` still prunes there."""
-    s = _session(engine, tmp_path, f"comera.pruning.every={every}", f"comera.pruning.start_step={start}")
+    s = _session(tmp_path, f"comera.pruning.every={every}", f"comera.pruning.start_step={start}")
     s.penalty = SimpleNamespace(active=True)  # a tensorized model's
 
     def gather(engine):
@@ -154,8 +156,8 @@ def test_maybe_prune_prunes_at_the_pruning_schedule(engine, tmp_path, monkeypatc
                    (0, 0): []}[(every, start)]
 
 
-def test_a_dense_model_never_prunes(engine, tmp_path, monkeypatch):
-    s = _session(engine, tmp_path, "comera.pruning.every=1", "comera.pruning.start_step=0")
+def test_a_dense_model_never_prunes(tmp_path, monkeypatch):
+    s = _session(tmp_path, "comera.pruning.every=1", "comera.pruning.start_step=0")
     assert not s.penalty.active and s.size() == 0  # no gate: S is 0
     monkeypatch.setattr(session_mod, "gather_full_state", lambda engine: pytest.fail("a dense model gathered"))
     assert not any(s.maybe_prune(step) for step in range(1, 5))

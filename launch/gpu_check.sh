@@ -7,7 +7,9 @@
 # env: PYTHON (default: .venv/bin/python, else python3), WHEELS (default .whl, from launch/gpu_wheels.sh),
 #      COMERA_CHECK_WORK (runs + data cache; default /tmp/comera-check-$$), COMERA_CHECK_BUDGET_S (whole check,
 #      default 470 on GPU, 600 on CPU), COMERA_CHECK_NPROC (trainer processes, default: every visible GPU, 1 on CPU),
-#      COMERA_CHECK_ONLY (space-separated step names to run, e.g. "env pretrain-z3"; default all)
+#      COMERA_CHECK_ONLY (space-separated step names to run, e.g. "env pretrain-z3"; default all),
+#      COMERA_CHECK_JOBS (steps run side by side after env; default 1 on GPU, where each step's figures need the
+#      card to itself, 2 on CPU, where the smoke's steps are single-threaded)
 # Steps: env (installs missing wheels with pip --no-index --target), native GPU tests (TRITON_INTERPRET=0: the
 # Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
@@ -66,6 +68,7 @@ export TORCHRUN="$PYTHON launch/torchrun.py"  # torchrun, exiting with the faile
 if [ "$MODE" = gpu ]; then
   export DS_ACCELERATOR=cuda TRITON_INTERPRET=0
   BUDGET=${COMERA_CHECK_BUDGET_S:-470}
+  JOBS=${COMERA_CHECK_JOBS:-1}
   NPROC=${COMERA_CHECK_NPROC:-$({ nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)}
   # Trainer: the README's tiny CodeBERT, a few dozen steps; kernels/six-encoder at the paper's shapes.
   SIZE=(--set data.max_files=60 --set deepspeed.micro_batch_size_per_gpu=16)
@@ -109,6 +112,7 @@ if [ "$MODE" = gpu ]; then
 else
   export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   BUDGET=${COMERA_CHECK_BUDGET_S:-600}
+  JOBS=${COMERA_CHECK_JOBS:-2}
   NPROC=${COMERA_CHECK_NPROC:-1}
   SIZE=(--set model.hidden_size=32 --set model.intermediate_size=64 --set model.num_layers=1
         --set model.num_heads=2 --set model.vocab_size=512 --set data.tokenizer.vocab_size=512
@@ -141,6 +145,7 @@ if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
   [ "$DRY_RUN" = 1 ] || { echo "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" >&2; exit 2; }
   NPROC="<GPUs>"
 fi
+[[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: COMERA_CHECK_JOBS must be a positive integer, not '$JOBS'" >&2; exit 2; }
 
 # The run: bf16 (fp32 masters), the late stage from step LATE, a physical prune every PRUNE steps with a
 # high gate threshold and gate lr so ranks really die in a short run (a low target loss keeps lambda at 0,
@@ -157,7 +162,7 @@ TRAIN=(--config configs/codebert-tiny-cpu.yaml "${SIZE[@]}" --set deepspeed.prec
 
 STEPS_LIST="env kernel-tests pretrain-z1 pretrain-z2 pretrain-z3 pretrain-z0-graphs pretrain-recompute-graphs bench-kernels bench-six-encoder bench-six-encoder-ws4 bench-six-encoder-compiled bench-six-encoder-recompute bench-six-encoder-recompute-factors bench-six-encoder-align1 bench-six-encoder-nolt bench-six-encoder-ffn-off bench-six-encoder-peaks trainer-rate trainer-rate-unpacked trainer-rate-nocheck trainer-rate-lean trainer-rate-graphs trainer-rate-graphs-opt"
 if [ "$DRY_RUN" = 1 ]; then
-  echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s): $STEPS_LIST"
+  echo "gpu_check ($MODE, $NPROC process(es), budget ${BUDGET}s, $JOBS step(s) at a time): $STEPS_LIST"
   echo "trainer: NPROC=$NPROC launch/torchrun.sh ${TRAIN[*]} --set deepspeed.zero_stage=S --resume none"
   exit 0
 fi
@@ -167,10 +172,18 @@ OUT=$(cd "$OUT" && pwd)
 : > "$OUT/results.tsv"
 START=$(date +%s)
 
-# run_step NAME LIMIT_S CMD...: bounded by LIMIT_S and the budget left; records rc and seconds.
+# run_step NAME LIMIT_S CMD...: bounded by LIMIT_S and the budget left; records rc and seconds. With JOBS > 1
+# it waits for a free slot and runs the step in the background (results.tsv is put in STEPS_LIST order at the end).
 run_step() {
-  local name=$1 limit=$2; shift 2
+  local name=$1
   if [ -n "${COMERA_CHECK_ONLY:-}" ] && [[ " $COMERA_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
+  if [ "$JOBS" -eq 1 ]; then run_one "$@"; return 0; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  run_one "$@" &
+}
+
+run_one() {
+  local name=$1 limit=$2; shift 2
   local left=$((BUDGET - ($(date +%s) - START)))
   [ "$left" -lt "$limit" ] && limit=$left
   local log="$OUT/logs/$name.log" t0 rc
@@ -186,7 +199,7 @@ run_step() {
   fi
   local ms=$((($(date +%s%N) - t0) / 1000000))
   printf '%s\t%s\t%d.%03d\t%s\n' "$name" "$rc" $((ms / 1000)) $((ms % 1000)) "logs/$name.log" >> "$OUT/results.tsv"
-  echo "   -> rc $rc"
+  echo "   -> $name: rc $rc"
   return 0
 }
 
@@ -226,6 +239,7 @@ export TRAIN_Q
 
 echo "gpu_check: $MODE, $NPROC trainer process(es), budget ${BUDGET}s, work $WORK, results $OUT"
 run_step env 120 bash -c env_step
+wait  # the others may import the wheels env installs
 run_step kernel-tests "$T_KTEST" "$PYTHON" "${KERNEL_TESTS[@]}"
 for stage in 1 2 3; do
   run_step "pretrain-z$stage" $((2 * T_RUN)) bash -c "eval \"TRAIN=(\$TRAIN_Q)\"; pretrain_step $stage"
@@ -283,4 +297,9 @@ run_step trainer-rate-graphs $((2 * T_BENCH)) env COMERA_COMPILE_BACKEND=$GRAPHS
 run_step trainer-rate-graphs-opt $((2 * T_BENCH)) env COMERA_COMPILE_BACKEND=$GRAPHS_BACKEND TORCH_LOGS=recompiles \
   "$PYTHON" "${TRAINER_RATE[@]}" --set train.compile=true --set train.compile_mode=reduce-overhead \
   --set train.compile_optimizer=true --json "$OUT/trainer-rate-graphs-opt.json"
+wait
+# the steps in STEPS_LIST order, however they finished
+awk -v order="$STEPS_LIST" 'BEGIN { n = split(order, o, " "); for (i = 1; i <= n; i++) at[o[i]] = i }
+  { printf "%d\t%s\n", at[$1], $0 }' "$OUT/results.tsv" | sort -n -s -k1,1 | cut -f2- > "$OUT/results.tsv.tmp"
+mv "$OUT/results.tsv.tmp" "$OUT/results.tsv"
 "$PYTHON" launch/gpu_check.py summary "$OUT"

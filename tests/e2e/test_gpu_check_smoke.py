@@ -135,3 +135,22 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert {"step", "batch fetch", "device synchronize", "step metrics", "metrics log"} <= set(loop), loop
     assert "trainer-rate trainer loop host ms/step (cProfile): step " in p.stdout
     assert summary["env"]["mode"] == "cpu-smoke"
+
+
+@pytest.mark.slow
+def test_steps_run_side_by_side_on_cpu_are_summarised_in_the_scripts_order(tmp_path):
+    """The CPU smoke runs two steps at a time: a short step listed after a long one finishes first, and
+    results.tsv and the summary still list them in the script's order."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TRITON_INTERPRET")}
+    env.update(COMERA_CHECK_WORK=str(tmp_path / "work"), WHEELS=str(tmp_path / "no-wheels"),
+               COMERA_CHECK_ONLY="bench-six-encoder-compiled bench-six-encoder-align1")
+    p = subprocess.run(["launch/gpu_check.sh", str(out), "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    # the short step reported first: the two ran side by side
+    assert p.stdout.index("-> bench-six-encoder-align1: rc 0") < p.stdout.index("-> bench-six-encoder-compiled: rc 0"), p.stdout
+    steps = [line.split("\t")[0] for line in (out / "results.tsv").read_text().splitlines()]
+    assert steps == ["bench-six-encoder-compiled", "bench-six-encoder-align1"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == steps

@@ -214,6 +214,11 @@ def test_gpu_check_dry_run_lists_its_steps_without_a_gpu_and_a_real_run_says_wha
     assert p.returncode == 0, p.stderr
     assert "gpu_check (gpu, <GPUs> process(es)" in p.stdout and "pretrain-recompute-graphs" in p.stdout
     assert " bench-six-encoder-peaks " in p.stdout
+    assert "1 step(s) at a time" in p.stdout  # on a GPU each step has the card to itself
+    p = box.run("launch/gpu_check.sh", "--dry-run", str(tmp_path / "out"), "--cpu-smoke")
+    assert p.returncode == 0 and "2 step(s) at a time" in p.stdout, p.stdout + p.stderr
+    p = box.run("launch/gpu_check.sh", "--dry-run", str(tmp_path / "out"), "--cpu-smoke", COMERA_CHECK_JOBS="0")
+    assert p.returncode == 2 and "gpu_check: COMERA_CHECK_JOBS must be a positive integer, not '0'" in p.stderr
     p = box.run("launch/gpu_check.sh", str(tmp_path / "out"))
     assert p.returncode == 2 and "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" in p.stderr
     assert "torchrun" not in box.started() and "pytest" not in box.started(), box.started()

@@ -18,13 +18,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _cpu_smoke(tmp_path: Path, timeout: int, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``launch/gpu_check.sh OUT --cpu-smoke`` with its runs under ``tmp_path``, no wheels, and ``env``."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TRITON_INTERPRET")} | {
+        "COMERA_CHECK_WORK": str(tmp_path / "work"), "WHEELS": str(tmp_path / "no-wheels")} | env
+    p = subprocess.run(["launch/gpu_check.sh", str(out), "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=timeout, check=False)
+    return p, out
+
+
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke(tmp_path):
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TRITON_INTERPRET")}
-    env.update(COMERA_CHECK_WORK=str(tmp_path / "work"), WHEELS=str(tmp_path / "no-wheels"))
-    p = subprocess.run(["launch/gpu_check.sh", str(out), "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=900, check=False)
+    p, out = _cpu_smoke(tmp_path, 900)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     logs = {f.name: f.read_text(errors="replace")[-3000:] for f in (out / "logs").glob("*.log")} if out.exists() else {}
     failed = [s["step"] for s in summary.get("steps", []) if s["rc"] != 0]
@@ -141,12 +147,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
 def test_steps_run_side_by_side_on_cpu_are_summarised_in_the_scripts_order(tmp_path):
     """The CPU smoke runs two steps at a time: a short step listed after a long one finishes first, and
     results.tsv and the summary still list them in the script's order."""
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "TRITON_INTERPRET")}
-    env.update(COMERA_CHECK_WORK=str(tmp_path / "work"), WHEELS=str(tmp_path / "no-wheels"),
-               COMERA_CHECK_ONLY="bench-six-encoder-compiled bench-six-encoder-align1")
-    p = subprocess.run(["launch/gpu_check.sh", str(out), "--cpu-smoke"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300, check=False)
+    p, out = _cpu_smoke(tmp_path, 300, COMERA_CHECK_ONLY="bench-six-encoder-compiled bench-six-encoder-align1")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     # the short step reported first: the two ran side by side
     assert p.stdout.index("-> bench-six-encoder-align1: rc 0") < p.stdout.index("-> bench-six-encoder-compiled: rc 0"), p.stdout

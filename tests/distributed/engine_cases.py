@@ -42,6 +42,13 @@ def tiny_config(output_dir: Path | str, *, zero_stage: int = 0, steps: int = 4, 
     return build_run_config(data)
 
 
+
+def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """``cfg`` with ``--set``-style ``overrides`` applied, validated as a run's config is."""
+    from comera_dist.config import apply_overrides, resolved_dict
+
+    return build_run_config(apply_overrides(resolved_dict(cfg), overrides))
+
 def factory(cfg: RunConfig):
     from comera_dist.models import build_model
 

@@ -18,7 +18,7 @@ import math
 
 import pytest
 from dist_helpers import run_ranks
-from engine_cases import batch, tiny_config
+from engine_cases import batch, tiny_config, with_overrides
 
 WRITTEN = ["comera.controller.tau=0.5", "comera.lr.gates=0.05", "comera.controller.late_stage_step=1",
            "comera.controller.target_ratio=0.5"]
@@ -28,9 +28,7 @@ SCHEDULED = ["deepspeed.scheduler.kind=warmup_decay", "train.steps=10"]
 
 
 def _config(outdir: str, overrides: list[str], zero_stage: int):
-    from comera_dist.config import apply_overrides, build_run_config, resolved_dict
-
-    return build_run_config(apply_overrides(resolved_dict(tiny_config(outdir, zero_stage=zero_stage)), overrides))
+    return with_overrides(tiny_config(outdir, zero_stage=zero_stage), overrides)
 
 
 def _settings(session) -> dict:

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import pytest
 from dist_helpers import run_ranks
-from engine_cases import batch, tiny_config
+from engine_cases import batch, tiny_config, with_overrides
 
 
 def _session(outdir: str, overrides: list[str]):
-    from comera_dist.config import apply_overrides, build_run_config, resolved_dict
     from comera_dist.engine.model_factory import build_run_model
     from comera_dist.engine.session import TrainSession
 
-    cfg = build_run_config(apply_overrides(resolved_dict(tiny_config(outdir, zero_stage=1)), overrides))
+    cfg = with_overrides(tiny_config(outdir, zero_stage=1), overrides)
     return TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=2)
 
 

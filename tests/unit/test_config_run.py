@@ -75,6 +75,12 @@ def test_seq_len_beyond_positions(tmp_path):
 
 @pytest.mark.parametrize("setting, message", [
     ("train.steps=0", "train.steps must be >= 1, got 0"),
+    ("train.eval_batches=0", "train.eval_batches must be >= 1, got 0"),
+    ("train.output_dir=''", "train.output_dir must be a non-empty path, got ''"),
+    ("train.resume=''", "train.resume must be 'auto', 'none' or a checkpoint path, got ''"),
+    ("deepspeed.zero_stage=4", "deepspeed.zero_stage must be 0, 1, 2 or 3, got 4"),
+    ("deepspeed.adam_betas=[0.9, 0.99, 0.999]",
+     "deepspeed.adam_betas must be two numbers in [0, 1), got [0.9, 0.99, 0.999]"),
     ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
     ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1, got 0"),
     ("train.log_every=0", "train.log_every must be >= 1, got 0"),

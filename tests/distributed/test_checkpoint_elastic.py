@@ -1,4 +1,4 @@
-"""Elastic resume on real ranks, without a manual step: 2 ranks -> 1, 1 -> 2, and ZeRO 1 -> 3.
+"""Elastic resume on real ranks, without a manual step: 2 ranks -> 1, 1 -> 2, ZeRO 1 -> 3, 1 -> 0 and 0 -> 1.
 
 Every run trains the same pruned, late-stage, warmup-cosine CoMERA model on one global batch of
 4 blocks per step (2 ranks x 2, or 1 rank x 2 micro-batches x 2), reading a synthetic dataset
@@ -121,24 +121,27 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
     root = str(tmp / "runs")
     ckpt = f"checkpoints/step{SAVE_AT:08d}"
-    two = run_ranks(_jobs, tmp / "w1", root, [("straight2", 1, None)])
+    two = run_ranks(_jobs, tmp / "w1", root, [("straight2", 1, None), ("straight2_zero0", 0, None)])
     _as_layout1_checkpoint(Path(root) / "straight2" / ckpt, Path(root) / "layout1" / ckpt,
                            two[0]["straight2"]["saved_shapes"])
     one = run_ranks(_jobs, tmp / "w2", root, [("straight1", 1, None), ("from2", 1, f"{root}/straight2/{ckpt}")],
                     world_size=1)
     back = run_ranks(_jobs, tmp / "w3", root, [("from1", 1, f"{root}/straight1/{ckpt}"),
                                                ("zero3", 3, f"{root}/straight2/{ckpt}"),
+                                               ("zero0", 0, f"{root}/straight2/{ckpt}"),
+                                               ("from_zero0", 1, f"{root}/straight2_zero0/{ckpt}"),
                                                ("legacy", 1, f"{root}/layout1/{ckpt}")])
-    return {"straight2": two[0]["straight2"], "straight1": one[0]["straight1"], "from2": one[0]["from2"],
-            "from1": back[0]["from1"], "zero3": back[0]["zero3"], "legacy": back[0]["legacy"], "ranks": (two, back)}
+    return {"straight2": two[0]["straight2"], "straight2_zero0": two[0]["straight2_zero0"], "straight1": one[0]["straight1"], "from2": one[0]["from2"],
+            "ranks": (two, back), **{name: back[0][name] for name in ("from1", "zero3", "zero0", "from_zero0", "legacy")}}
 
 
-@pytest.mark.parametrize("case", ["from2", "from1", "zero3", "legacy"])
+@pytest.mark.parametrize("case", ["from2", "from1", "zero3", "zero0", "from_zero0", "legacy"])
 def test_elastic_resume_continues_the_straight_run(runs, case):
-    """2 ranks -> 1 (``from2``), 1 -> 2 (``from1``), ZeRO 1 -> 3 (``zero3``), and 2 ranks -> 2 from a
+    """2 ranks -> 1 (``from2``), 1 -> 2 (``from1``), ZeRO 1 -> 3 (``zero3``), 1 -> 0 (``zero0``) and 0 -> 1
+    (``from_zero0``, against the straight run at ZeRO 0 that saved it) at 2 ranks, and 2 ranks -> 2 from a
     checkpoint of the oldest layout, one parameter per core and per bond (``legacy``: converted,
     DeepSpeed's shards unused)."""
-    ref, r = runs["straight2"], runs[case]
+    ref, r = runs["straight2_zero0" if case == "from_zero0" else "straight2"], runs[case]
     resumed = list(range(SAVE_AT + 1, STEPS + 1))
     assert sorted(r["ids"]) == resumed
     for step in resumed:  # the same samples, step for step: none repeated, none skipped

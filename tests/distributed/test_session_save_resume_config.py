@@ -3,11 +3,15 @@
 ``checkpoint.check_compatible`` and ``checkpoint.remove_old`` have their own unit tests. These tests check
 that the session calls them. A mutation review of ``engine/resume.py`` found that the suite still passed
 with either call removed or bypassed: a resume under a config of other shapes is refused before
-DeepSpeed reads a shard, with an error naming the key and the way on, and ``train.keep_every`` keeps
-its multiples past ``train.keep_checkpoints``.
+DeepSpeed reads a shard, with an error naming the key and the way on, ``train.keep_every`` keeps
+its multiples past ``train.keep_checkpoints``, and a shard that would run code when unpickled is refused
+before DeepSpeed's own loader (``weights_only=False``) unpickles it.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 from dist_helpers import run_ranks
@@ -22,7 +26,34 @@ def _session(outdir: str, overrides: list[str]):
     return TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=2)
 
 
+class _Ran:
+    """Unpickles as ``os.makedirs(path, exist_ok=True)``: the code a hostile shard could run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path, 0o777, True))
+
+
+def _plant(path: Path, ran: str) -> None:
+    """Add a ``_Ran`` to checkpoint ``path``'s model shard and re-vouch for it in the manifest, as an
+    attacker with write access would: the integrity check passes, only the ``weights_only`` gate is left."""
+    import torch
+
+    from comera_dist.engine import manifest
+
+    shard = path / "mp_rank_00_model_states.pt"
+    state = torch.load(shard, map_location="cpu", weights_only=False)
+    state["evil"] = _Ran(ran)
+    torch.save(state, shard)
+    names = manifest.checkpoint_files(path)
+    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, names)))
+
+
 def _run(rank: int, world_size: int, outdir: str) -> dict:
+    import deepspeed.comm as dist
+
     from comera_dist.engine import checkpoint as ckpt
     from comera_dist.engine.distributed import init_distributed
 
@@ -40,7 +71,18 @@ def _run(rank: int, world_size: int, outdir: str) -> dict:
     except ckpt.CheckpointError as e:
         refused = str(e)
     s.close()
-    return {"kept": kept, "refused": refused}
+    newest, ran = ckpt.complete_checkpoints(s.checkpoint_root)[-1], f"{outdir}/code-ran"
+    if rank == 0:
+        _plant(newest, ran)
+    dist.barrier()
+    s = _session(outdir, [])
+    try:
+        s.resume(str(newest))
+        gate = None
+    except ckpt.CheckpointError as e:
+        gate = str(e)
+    s.close()
+    return {"kept": kept, "refused": refused, "gate": gate, "ran": Path(ran).exists(), "newest": newest.name}
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +102,11 @@ def test_a_resume_under_a_config_of_other_shapes_is_refused_naming_the_key(resul
         assert err is not None, "resume loaded a checkpoint of other shapes"
         assert "written by an incompatible config" in err and "tensorize.max_rank: checkpoint 4 vs config 3" in err, err
         assert "or train this config in another train.output_dir" in err, err
+
+
+def test_a_shard_that_would_run_code_is_refused_before_deepspeed_unpickles_it(results):
+    for out in results:
+        assert out["newest"] == "step00000004"
+        assert not out["ran"], "resume unpickled the planted object (its code ran)"
+        assert out["gate"] is not None, "resume loaded a shard holding a pickled object"
+        assert "mp_rank_00_model_states.pt does not load with weights_only=True" in out["gate"], out["gate"]

@@ -1,11 +1,13 @@
 """Usage: run.py TARGET BREAKS.py [pytest args...]. Writes each break, runs pytest -x, and restores the file.
 
 BREAKS.py defines ``BREAKS``, a list of ``(name, old, new, *extra_tests)``. ``old`` must occur exactly once in
-TARGET. ``ONLY="a,b"`` runs only the breaks with those names. The suite's environment is set here.
+TARGET. ``ONLY="a,b"`` runs only the breaks with those names. The suite's environment is set here. A SIGTERM
+(``pkill -f docs/mutation/run.py``) restores TARGET before it exits; a SIGKILL does not (``git checkout`` it).
 """
 
 import os
 import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ def main() -> None:
     target, breaks, tests = Path(sys.argv[1]), runpy.run_path(sys.argv[2])["BREAKS"], sys.argv[3:]
     only = set(filter(None, os.environ.get("ONLY", "").split(",")))
     orig = target.read_text()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the restore below
     try:
         for name, old, new, *extra in breaks:
             if only and name not in only:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+
 import pytest
 
-from comera_dist.engine.distributed import LOOPBACK, discover_ranks
+from comera_dist.engine.distributed import DEFAULT_PORT, LOOPBACK, discover_ranks, init_distributed
 from comera_dist.engine.errors import InputError
 
 
@@ -35,10 +38,30 @@ def test_openmpi_across_hosts_needs_master_addr():
         discover_ranks(env)
     env["MASTER_ADDR"] = "10.0.0.1"
     assert discover_ranks(env) == "openmpi" and env["MASTER_ADDR"] == "10.0.0.1"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("3", "4", "0")  # the world's rank, not the host's
 
 
 def test_single_process_gets_a_free_loopback_port():
-    env: dict[str, str] = {}
+    """Not the default port: a second single-process run on the host (an evaluation beside a debug run) would
+    fail to bind it."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # already taken by someone else: it stays taken either way
+            held.bind((LOOPBACK, DEFAULT_PORT))
+            held.listen()
+        env: dict[str, str] = {}
+        assert discover_ranks(env) == "single"
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("0", "1", "0", LOOPBACK)
+        with socket.socket() as probe:
+            probe.bind((LOOPBACK, int(env["MASTER_PORT"])))  # free while the default one is held
+
+
+def test_single_process_keeps_a_given_master_addr_and_port():
+    env = {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}
     assert discover_ranks(env) == "single"
-    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "1", LOOPBACK)
-    assert 0 < int(env["MASTER_PORT"]) < 65536
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.5", "1234")
+
+
+def test_a_collective_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+        init_distributed(0)

@@ -131,8 +131,7 @@ def runs(tmp_path_factory):
                                                ("zero0", 0, f"{root}/straight2/{ckpt}"),
                                                ("from_zero0", 1, f"{root}/straight2_zero0/{ckpt}"),
                                                ("legacy", 1, f"{root}/layout1/{ckpt}")])
-    return {"straight2": two[0]["straight2"], "straight2_zero0": two[0]["straight2_zero0"], "straight1": one[0]["straight1"], "from2": one[0]["from2"],
-            "ranks": (two, back), **{name: back[0][name] for name in ("from1", "zero3", "zero0", "from_zero0", "legacy")}}
+    return {**two[0], **one[0], **back[0], "ranks": (two, back)}  # every run by name, as rank 0 saw it
 
 
 @pytest.mark.parametrize("case", ["from2", "from1", "zero3", "zero0", "from_zero0", "legacy"])

@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from dist_helpers import run_ranks
-from engine_cases import batch, factory, tiny_config
+from engine_cases import batch, factory, plant_payload, tiny_config
 
 SHARDS = {0: "mp_rank_00_model_states.pt", 1: "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
 
@@ -35,27 +34,6 @@ def _write(rank: int, world_size: int, outdir: str) -> dict[int, str]:
     return paths
 
 
-class _Payload:
-    """Unpickling it runs code: it writes ``flag``."""
-
-    def __init__(self, flag: Path):
-        self.flag = str(flag)
-
-    def __reduce__(self):
-        return exec, (f"open({self.flag!r}, 'w').write('code ran while unpickling')",)
-
-
-def _tamper(path: Path, shard: str, flag: Path) -> None:
-    """Add the payload to ``shard`` and re-render the manifest, as someone with write access could."""
-    from comera_dist.engine import manifest
-
-    state = torch.load(path / shard, map_location="cpu", weights_only=False)
-    state["extra"] = _Payload(flag)
-    torch.save(state, path / shard)
-    files = manifest.describe(path, manifest.checkpoint_files(path))
-    (path / manifest.MARKER).write_text(manifest.render(path.name, files))
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evil_eval")
@@ -71,7 +49,7 @@ def test_load_run_refuses_a_shard_with_a_pickled_payload_before_unpickling_it(wr
     path = written[stage]
     assert load_run(path).model is not None  # DeepSpeed's own shards pass the gate
     flag = tmp_path / "PWNED"
-    _tamper(path, SHARDS[stage], flag)
+    plant_payload(path, SHARDS[stage], flag)
     assert ckpt.check(path) == []  # the manifest alone cannot tell
     with pytest.raises(InputError, match="weights_only") as err:
         load_run(path)

@@ -10,12 +10,11 @@ before DeepSpeed's own loader (``weights_only=False``) unpickles it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from dist_helpers import run_ranks
-from engine_cases import batch, tiny_config, with_overrides
+from engine_cases import batch, plant_payload, tiny_config, with_overrides
 
 
 def _session(outdir: str, overrides: list[str]):
@@ -24,31 +23,6 @@ def _session(outdir: str, overrides: list[str]):
 
     cfg = with_overrides(tiny_config(outdir, zero_stage=1), overrides)
     return TrainSession.create(cfg, lambda: build_run_model(cfg), world_size=2)
-
-
-class _Ran:
-    """Unpickles as ``os.makedirs(path, exist_ok=True)``: the code a hostile shard could run."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (os.makedirs, (self.path, 0o777, True))
-
-
-def _plant(path: Path, ran: str) -> None:
-    """Add a ``_Ran`` to checkpoint ``path``'s model shard and re-vouch for it in the manifest, as an
-    attacker with write access would: the integrity check passes, only the ``weights_only`` gate is left."""
-    import torch
-
-    from comera_dist.engine import manifest
-
-    shard = path / "mp_rank_00_model_states.pt"
-    state = torch.load(shard, map_location="cpu", weights_only=False)
-    state["evil"] = _Ran(ran)
-    torch.save(state, shard)
-    names = manifest.checkpoint_files(path)
-    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, names)))
 
 
 def _run(rank: int, world_size: int, outdir: str) -> dict:
@@ -73,7 +47,7 @@ def _run(rank: int, world_size: int, outdir: str) -> dict:
     s.close()
     newest, ran = ckpt.complete_checkpoints(s.checkpoint_root)[-1], f"{outdir}/code-ran"
     if rank == 0:
-        _plant(newest, ran)
+        plant_payload(newest, "mp_rank_00_model_states.pt", Path(ran))
     dist.barrier()
     s = _session(outdir, [])
     try:

@@ -144,25 +144,3 @@ def assert_same_training(got: dict, want: dict, stage: int, noise: tuple[str, ..
             assert max(float(got["params"][name].abs().max()), float(value.abs().max())) < 1e-3, name
             continue
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"z{stage} {name}")
-
-
-class CodeRunningPayload:
-    """Unpickling it runs code: it writes ``flag``."""
-
-    def __init__(self, flag: Path):
-        self.flag = str(flag)
-
-    def __reduce__(self):
-        return exec, (f"open({self.flag!r}, 'w').write('code ran while unpickling')",)
-
-
-def plant_payload(path: Path, shard: str, flag: Path) -> None:
-    """Add a ``CodeRunningPayload`` to ``shard`` of checkpoint ``path`` and re-render the manifest, as someone with
-    write access could: the integrity check passes, only the ``weights_only`` gate is left."""
-    from comera_dist.engine import manifest
-
-    state = torch.load(path / shard, map_location="cpu", weights_only=False)
-    state["extra"] = CodeRunningPayload(flag)
-    torch.save(state, path / shard)
-    files = manifest.describe(path, manifest.checkpoint_files(path))
-    (path / manifest.MARKER).write_text(manifest.render(path.name, files))

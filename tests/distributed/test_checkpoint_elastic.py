@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_testlib import revouch
 from dist_helpers import run_ranks
 from engine_cases import MICRO, SEQ, factory, kill_two_ranks, tiny_config
 
@@ -92,7 +93,6 @@ def _as_layout1_checkpoint(src: Path, dst: Path, shapes: dict[str, list[tuple[in
     that this version cannot load (garbage here: a resume that touched them would fail). ``shapes``:
     every layer's core shapes at the save. The manifest is rewritten to match."""
     from comera_dist.engine import checkpoint as ckpt
-    from comera_dist.engine import manifest
 
     shutil.copytree(src, dst)
     payload = torch.load(dst / ckpt.FULL_STATE, map_location="cpu", weights_only=True)
@@ -112,8 +112,7 @@ def _as_layout1_checkpoint(src: Path, dst: Path, shapes: dict[str, list[tuple[in
     (dst / ckpt.META).write_text(json.dumps(meta))
     for shard in dst.glob("*_states.pt"):
         shard.write_bytes(b"not a DeepSpeed shard of this layout")
-    names = manifest.checkpoint_files(dst)
-    (dst / manifest.MARKER).write_text(manifest.render(dst.name, manifest.describe(dst, names)))
+    revouch(dst)
 
 
 @pytest.fixture(scope="module")

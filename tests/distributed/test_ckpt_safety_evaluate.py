@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from checkpoint_testlib import plant_payload
 from dist_helpers import run_ranks
-from engine_cases import batch, factory, plant_payload, tiny_config
+from engine_cases import batch, factory, tiny_config
 
 SHARDS = {0: "mp_rank_00_model_states.pt", 1: "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
 

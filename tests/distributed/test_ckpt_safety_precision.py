@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 import pytest
+from checkpoint_testlib import revouch
 from dist_helpers import run_ranks
 from engine_cases import batch, factory, full_params, tiny_config
 
@@ -56,13 +57,11 @@ def _resume(outdir: str, stage: int, precision: str, rank: int, world_size: int)
 def _strip_precision(path: Path) -> None:
     """``path`` as a checkpoint written before the meta recorded its precision (manifest re-rendered)."""
     from comera_dist.engine import checkpoint as ckpt
-    from comera_dist.engine import manifest
 
     meta = json.loads((path / ckpt.META).read_text())
     meta.pop("precision", None)
     (path / ckpt.META).write_text(json.dumps(meta, indent=2))
-    files = manifest.describe(path, manifest.checkpoint_files(path))
-    (path / manifest.MARKER).write_text(manifest.render(path.name, files))
+    revouch(path)
 
 
 def _cases(rank: int, world_size: int, outdir: str) -> dict:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from checkpoint_testlib import revouch
 from dist_helpers import run_ranks
 from engine_cases import assert_same_training, batch, factory, full_params, knob_runs, tiny_config
 
@@ -70,7 +71,6 @@ def _as_older_checkpoint(src: Path, dst: Path, *, first_packing: bool) -> None:
     layout (1-D parameters of every role, before 2-D ones were packed): no ``packing_layout``. The
     manifest is rewritten to match."""
     from comera_dist.engine import checkpoint as ckpt
-    from comera_dist.engine import manifest
 
     shutil.copytree(src, dst)
     meta = json.loads((dst / ckpt.META).read_text())
@@ -81,8 +81,7 @@ def _as_older_checkpoint(src: Path, dst: Path, *, first_packing: bool) -> None:
     (dst / ckpt.META).write_text(json.dumps(meta))
     for shard in dst.glob("*_states.pt"):
         shard.write_bytes(b"not a DeepSpeed shard of this packing")
-    names = manifest.checkpoint_files(dst)
-    (dst / manifest.MARKER).write_text(manifest.render(dst.name, manifest.describe(dst, names)))
+    revouch(dst)
 
 
 def _without_forward_penalty(outdir: str, rank: int, world_size: int) -> dict:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from checkpoint_testlib import plant_payload
 from dist_helpers import run_ranks
-from engine_cases import batch, plant_payload, tiny_config, with_overrides
+from engine_cases import batch, tiny_config, with_overrides
 
 
 def _session(outdir: str, overrides: list[str]):

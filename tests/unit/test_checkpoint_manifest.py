@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoint_testlib import revouch
 
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine import manifest
@@ -19,8 +20,7 @@ def _checkpoint(root, step: int, files: dict[str, bytes]):
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(data)
     (path / ckpt.META).write_text("{}")
-    names = manifest.checkpoint_files(path)
-    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, names)))
+    revouch(path)
     return path
 
 

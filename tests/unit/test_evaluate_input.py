@@ -4,21 +4,15 @@ manifest, which is all that ``checkpoint.check`` and the ``weights_only`` gate r
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_testlib import CodeRunningPayload, revouch
 
 from comera_dist.engine import checkpoint as ckpt
-from comera_dist.engine import manifest
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.evaluate import evaluate_checkpoint, export_checkpoint, load_run
-
-
-class Payload:
-    def __reduce__(self):
-        return (os.getcwd, ())
 
 
 def _checkpoint(root: Path, step: int, shard: object) -> Path:
@@ -26,8 +20,7 @@ def _checkpoint(root: Path, step: int, shard: object) -> Path:
     path.mkdir(parents=True)
     (path / ckpt.META).write_text("{}")
     torch.save(shard, path / "mp_rank_00_model_states.pt")
-    names = manifest.checkpoint_files(path)
-    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, names)))
+    revouch(path)
     return path
 
 
@@ -53,9 +46,11 @@ def test_a_refused_checkpoint_names_the_newest_other_one_that_verifies(tmp_path)
     good = _checkpoint(root, 2, {"w": torch.ones(2)})
     corrupted = _checkpoint(root, 4, {"w": torch.ones(2)})
     torch.save({"w": torch.zeros(2)}, corrupted / "mp_rank_00_model_states.pt")  # same size, other digest
-    refused = _checkpoint(root, 6, {"w": torch.ones(2), "evil": Payload()})  # verifies; the gate refuses it
+    flag = tmp_path / "code-ran"
+    refused = _checkpoint(root, 6, {"w": torch.ones(2), "evil": CodeRunningPayload(flag)})  # verifies; the gate refuses it
     with pytest.raises(InputError) as e:
         load_run(refused)
+    assert not flag.exists(), "load_run unpickled the payload"
     msg = str(e.value)
     assert f"checkpoint {refused} is refused" in msg and "does not load with weights_only=True" in msg, msg
     assert msg.endswith(f"the newest checkpoint there that verifies is {good}: pass --checkpoint {good} to use it"), msg

@@ -314,6 +314,8 @@ def test_export_round_trips(run_dir, tmp_path, capsys):
     assert state.keys() == weights.keys()
     differ = [k for k in state if not torch.equal(state[k], weights[k])]
     assert not differ, f"consolidated export != the engine's weights: {differ}"
+    for side in ("config.yaml", "comera_meta.json"):  # the run's config and its prune plans, to rebuild the shapes
+        assert (tmp_path / "consolidated" / side).read_bytes() == (run.path / side).read_bytes(), side
     assert (tmp_path / "dense-hf" / "tokenizer.json").is_file()
     # An existing non-empty --out is refused, untouched.
     before = sorted(p.name for p in (tmp_path / "tt").iterdir())
@@ -619,6 +621,11 @@ def test_a_gpt_pretrains_evaluates_and_exports_through_the_cli(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
+    # the run tokenizer's ids, not GPT-2's default 50256 (outside this vocabulary)
+    assert tok.eos_token_id is not None and tok.eos_token_id < model.config.vocab_size
+    for ids_of in (model.config, model.generation_config):
+        assert (ids_of.bos_token_id, ids_of.eos_token_id, ids_of.pad_token_id) == (
+            tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), ids_of
     ids = tok("def main():", return_tensors="pt")["input_ids"]
     generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     assert generated.shape == (1, ids.shape[1] + 3)

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from checkpoint_testlib import CodeRunningPayload, revouch
 
+from comera_dist.config import load_run_config, resolved_dict
 from comera_dist.engine import checkpoint as ckpt
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.evaluate import evaluate_checkpoint, export_checkpoint, load_run
+from comera_dist.engine.model_factory import build_run_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _checkpoint(root: Path, step: int, shard: object) -> Path:
@@ -54,3 +59,42 @@ def test_a_refused_checkpoint_names_the_newest_other_one_that_verifies(tmp_path)
     msg = str(e.value)
     assert f"checkpoint {refused} is refused" in msg and "does not load with weights_only=True" in msg, msg
     assert msg.endswith(f"the newest checkpoint there that verifies is {good}: pass --checkpoint {good} to use it"), msg
+
+
+def _zero0_checkpoint(tmp_path: Path, edit) -> tuple[Path, torch.nn.Module]:
+    """A ZeRO-0 checkpoint of tiny-cpu (the whole module in one file, so no DeepSpeed is needed to write it)
+    whose module state went through ``edit``, and the model it was taken from."""
+    cfg = load_run_config(REPO / "configs" / "tiny-cpu.yaml",
+                          ["deepspeed.zero_stage=0", f"train.output_dir={tmp_path / 'run'}"])
+    model = build_run_model(cfg)
+    state = dict(model.state_dict())
+    edit(state)
+    path = _checkpoint(tmp_path / "run" / "checkpoints", 2, {"module": state})
+    (path / ckpt.CONFIG).write_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
+    (path / ckpt.META).write_text('{"zero_stage": 0}')
+    revouch(path)
+    return path, model
+
+
+@pytest.mark.parametrize("change", ["a weight missing", "a weight unexpected"])
+def test_weights_that_do_not_fit_the_saved_config_are_refused_naming_the_key(tmp_path, change):
+    """A checkpoint whose shard lacks one of its config's weights, or holds one the model has not, would load
+    with the model's random init (or drop the extra) silently: ``load_run`` names the key."""
+    missing, extra = "embeddings.word.core", "head.extra.weight"
+    if change == "a weight missing":
+        path, _ = _zero0_checkpoint(tmp_path, lambda state: state.pop(missing))
+    else:
+        path, _ = _zero0_checkpoint(tmp_path, lambda state: state.update({extra: torch.zeros(2)}))
+    with pytest.raises(InputError, match=f"checkpoint {path} does not match its config's model: ") as e:
+        load_run(path)
+    assert (f"missing ['{missing}']" if change == "a weight missing" else f"unexpected ['{extra}']") in str(e.value)
+
+
+def test_a_checkpoint_without_a_buffer_loads_it_from_the_config(tmp_path):
+    """The buffers (a layer's threshold ``tau``, its bond sizes) follow from the config and the prune plans the
+    model is rebuilt with: a checkpoint written before one existed still loads, with the rebuilt model's."""
+    path, model = _zero0_checkpoint(tmp_path, lambda state: state.pop("blocks.0.attn.query.tau"))
+    run = load_run(path)
+    assert torch.equal(run.model.get_buffer("blocks.0.attn.query.tau"), model.get_buffer("blocks.0.attn.query.tau"))
+    assert torch.equal(run.model.get_parameter("blocks.0.attn.query.core"),
+                       model.get_parameter("blocks.0.attn.query.core"))

@@ -16,7 +16,7 @@ BREAKS = [
  ("resume none keeps", "    if resume == \"none\":\n        return None", "    if False:\n        return None"),
  ("resume path is root", "        root = path if ckpt.complete_checkpoints(path) else path.parent", "        root = path"),
  ("resume path is parent", "        root = path if ckpt.complete_checkpoints(path) else path.parent", "        root = path.parent"),
- ("tmp checkpoints ignored", " or any(root.glob(f\"{ckpt.TMP_PREFIX}*\")))", "))"),
+ ("tmp checkpoints ignored", " or any(root.glob(f\"{ckpt.TMP_PREFIX}*\")))", ")"),
  ("found always", "    return tokenizer if found and tokenizer.is_dir() else None", "    return tokenizer if tokenizer.is_dir() else None"),
  ("compat before skipped", "        check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)  # before any build\n", ""),
  ("compat after skipped", "        check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)\n", ""),

@@ -101,8 +101,21 @@ def build_group(info: DistInfo, timeout_s: float) -> Iterator[Any]:
         tdist.destroy_process_group(group)
 
 
-def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group: Any = None) -> PreTrainedTokenizerBase:
-    """The run's tokenizer, global rank 0's on every rank (collective in ``group``).
+def build_barrier(group: Any, timeout_s: float) -> None:
+    """``tdist.barrier`` in the build group. A wait past ``timeout_s``, or a rank gone meanwhile, is a
+    ``DataError`` naming ``train.data_build_timeout_s`` (gloo's own error names neither the key nor the build)."""
+    try:
+        tdist.barrier(group=group)
+    except RuntimeError as e:  # gloo: "Timed out waiting <N>ms ...", or "Connection closed by peer ..."
+        raise DataError(f"the data build did not finish on every rank within train.data_build_timeout_s="
+                        f"{timeout_s:g} s, or a rank failed meanwhile (its log says why); a first build of a large "
+                        f"corpus takes longer: raise train.data_build_timeout_s ({e})") from e
+
+
+def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group: Any = None,
+                  timeout_s: float = 3600.0) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, global rank 0's on every rank (collective in ``group``, whose waits last
+    ``timeout_s``: ``train.data_build_timeout_s``).
 
     Rank 0 loads ``given`` (the tokenizer beside the checkpoint a resume continues from) or prepares the
     configured one (cached, or trained on its node's corpus), and sends its files to the other ranks,
@@ -119,10 +132,10 @@ def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group:
             tok = load_tokenizer(given) if given is not None else prepare_tokenizer(cfg, show_progress=show)
             box[0] = tokenizer_files(tok)
         finally:  # also on failure: the others must not wait for a tokenizer that is not coming
-            tdist.barrier(group=group)
+            build_barrier(group, timeout_s)
             tdist.broadcast_object_list(box, src=0, group=group)
         return tok
-    tdist.barrier(group=group)
+    build_barrier(group, timeout_s)
     tdist.broadcast_object_list(box, src=0, group=group)
     if box[0] is None:
         raise DataError("rank 0 could not prepare the run's tokenizer (its log says why)")
@@ -156,11 +169,12 @@ def build_run_data(cfg: RunConfig, info: DistInfo, *, tokenizer_dir: Path | None
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)  # before any build
         # Bars on rank 0's terminal only: in a log file (Slurm) each redraw is a '\r'-joined fragment, and the
         # pipeline logs each artefact it builds.
-        with build_group(info, cfg.train.data_build_timeout_s) as group:
-            tokenizer = run_tokenizer(cfg.data, info, tokenizer_dir, group=group)
+        wait_s = cfg.train.data_build_timeout_s
+        with build_group(info, wait_s) as group:
+            tokenizer = run_tokenizer(cfg.data, info, tokenizer_dir, group=group, timeout_s=wait_s)
             prepared = prepare_data(cfg.data, rank=info.local_rank, world_size=info.world_size,
                                     show_progress=info.rank == 0 and sys.stderr.isatty(),
-                                    barrier=lambda: tdist.barrier(group=group), tokenizer=tokenizer)
+                                    barrier=lambda: build_barrier(group, wait_s), tokenizer=tokenizer)
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions, tokenizer=prepared.tokenizer)
         # Collation on a prefetch thread; pinned batches on CUDA, so the engine's copy is asynchronous.
         loader = PackedLoader(prepared.train, batch_size=sizes.micro_batch, rank=info.rank,

@@ -90,6 +90,32 @@ def test_weights_that_do_not_fit_the_saved_config_are_refused_naming_the_key(tmp
     assert (f"missing ['{missing}']" if change == "a weight missing" else f"unexpected ['{extra}']") in str(e.value)
 
 
+def test_a_checkpoint_loads_for_evaluation_whatever_metrics_its_run_configured(tmp_path):
+    """The saved config's ``metrics`` section is the training run's outputs: a key renamed or removed since
+    must not make the checkpoint unreadable. The model comes back in eval mode (dropout off)."""
+    path, model = _zero0_checkpoint(tmp_path, lambda state: None)
+    saved = yaml.safe_load((path / ckpt.CONFIG).read_text())
+    saved["metrics"]["grafana_panel"] = "compression"  # a key this version does not know
+    (path / ckpt.CONFIG).write_text(yaml.safe_dump(saved, sort_keys=False))
+    revouch(path)
+    run = load_run(path)
+    assert not run.model.training and not any(m.training for m in run.model.modules())
+    assert torch.equal(run.model.get_parameter("blocks.0.attn.query.core"), model.get_parameter("blocks.0.attn.query.core"))
+
+
+def test_a_checkpoint_with_an_unreadable_config_or_no_model_file_is_named(tmp_path):
+    path, _ = _zero0_checkpoint(tmp_path, lambda state: None)
+    (path / ckpt.CONFIG).write_text("model: [unclosed\n")
+    revouch(path)
+    with pytest.raises(InputError, match=f"checkpoint {path}: while parsing"):
+        load_run(path)
+    path, _ = _zero0_checkpoint(tmp_path / "second", lambda state: None)
+    (path / "mp_rank_00_model_states.pt").rename(path / "model_states.pt.bak")
+    revouch(path)
+    with pytest.raises(InputError, match=f"checkpoint {path}: no mp_rank_\\*_model_states.pt"):
+        load_run(path)
+
+
 def test_a_checkpoint_without_a_buffer_loads_it_from_the_config(tmp_path):
     """The buffers (a layer's threshold ``tau``, its bond sizes) follow from the config and the prune plans the
     model is rebuilt with: a checkpoint written before one existed still loads, with the rebuilt model's."""

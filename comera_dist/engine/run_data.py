@@ -112,8 +112,8 @@ def build_barrier(group: Any, timeout_s: float) -> None:
                         f"corpus takes longer: raise train.data_build_timeout_s ({e})") from e
 
 
-def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group: Any = None,
-                  timeout_s: float = 3600.0) -> PreTrainedTokenizerBase:
+def run_tokenizer(cfg: DataConfig, info: DistInfo, given: Path | None, *, group: Any,
+                  timeout_s: float) -> PreTrainedTokenizerBase:
     """The run's tokenizer, global rank 0's on every rank (collective in ``group``, whose waits last
     ``timeout_s``: ``train.data_build_timeout_s``).
 

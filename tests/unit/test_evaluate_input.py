@@ -20,10 +20,12 @@ from comera_dist.engine.model_factory import build_run_model
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _checkpoint(root: Path, step: int, shard: object) -> Path:
+def _checkpoint(root: Path, step: int, shard: object, *, meta: str = "{}", config: dict | None = None) -> Path:
     path = root / ckpt.tag_for(step)
     path.mkdir(parents=True)
-    (path / ckpt.META).write_text("{}")
+    (path / ckpt.META).write_text(meta)
+    if config is not None:
+        (path / ckpt.CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
     torch.save(shard, path / "mp_rank_00_model_states.pt")
     revouch(path)
     return path
@@ -69,10 +71,8 @@ def _zero0_checkpoint(tmp_path: Path, edit) -> tuple[Path, torch.nn.Module]:
     model = build_run_model(cfg)
     state = dict(model.state_dict())
     edit(state)
-    path = _checkpoint(tmp_path / "run" / "checkpoints", 2, {"module": state})
-    (path / ckpt.CONFIG).write_text(yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
-    (path / ckpt.META).write_text('{"zero_stage": 0}')
-    revouch(path)
+    path = _checkpoint(tmp_path / "run" / "checkpoints", 2, {"module": state}, meta='{"zero_stage": 0}',
+                       config=resolved_dict(cfg))
     return path, model
 
 

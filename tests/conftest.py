@@ -11,16 +11,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import socket
-
 import pytest
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (each distributed test rendezvouses on its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports_testlib import free_port
 
 
 @pytest.fixture

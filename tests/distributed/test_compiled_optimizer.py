@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import test_launchers as tl
 import torch
-from test_launchers import free_port, job_env, run_overrides
+from ports_testlib import free_port
+from test_launchers import job_env, run_overrides
 
 from comera_dist.engine.checkpoint import tag_for
 

@@ -17,7 +17,8 @@ import signal
 import pytest
 import test_launchers as tl
 import torch
-from test_launchers import checkpoint_tags, free_port, job_env, rank_processes, run_overrides
+from ports_testlib import free_port
+from test_launchers import checkpoint_tags, job_env, rank_processes, run_overrides
 
 from comera_dist.engine.checkpoint import tag_for
 

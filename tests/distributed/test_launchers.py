@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,13 +27,6 @@ LAUNCH = {
     "torchrun": ["launch/torchrun.sh", "--config", TINY],
     "mpirun": ["launch/mpirun.sh", "--config", TINY],
 }
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(port: int, **extra: str) -> dict[str, str]:

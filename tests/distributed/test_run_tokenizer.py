@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port, run_ranks
+from dist_helpers import run_ranks
+from ports_testlib import free_port
 
 from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
 

@@ -19,6 +19,8 @@ def _build(rank: int, world_size: int, out: str, cache: str, rank0: str, *overri
     its blocks ``slow``); the error each rank raised, or its first training batch."""
     import time
 
+    from torch.distributed import distributed_c10d
+
     from comera_dist.config import load_run_config
     from comera_dist.data.errors import DataError
     from comera_dist.engine import run_data
@@ -38,6 +40,7 @@ def _build(rank: int, world_size: int, out: str, cache: str, rank0: str, *overri
     if rank == 0 and rank0 != "ok":
         setattr(run_data, name, rank0s)
     info = init_distributed(cfg.train.process_group_timeout_s)
+    groups = len(distributed_c10d._world.pg_map)  # torch has no public count of a process's groups
     start = time.monotonic()
     try:
         data = run_data.build_run_data(cfg, info)
@@ -45,13 +48,15 @@ def _build(rank: int, world_size: int, out: str, cache: str, rank0: str, *overri
         return {"error": f"{type(e).__name__}: {e}", "waited_s": time.monotonic() - start}
     first = next(data.train)["input_ids"].tolist()
     data.train.close()
-    return {"first": first, "digest": data.tokenizer_digest}
+    return {"first": first, "digest": data.tokenizer_digest,
+            "groups_left": len(distributed_c10d._world.pg_map) - groups}
 
 
 def test_each_rank_trains_on_its_own_batches_of_one_tokenizer(tmp_path):
     results = run_ranks(_build, tmp_path / "w", str(tmp_path / "run"), str(tmp_path / "cache"), "ok")
     assert results[0]["digest"] == results[1]["digest"]
     assert results[0]["first"] != results[1]["first"]
+    assert [r["groups_left"] for r in results] == [0, 0], results  # the build's gloo group is destroyed after it
 
 
 def test_a_tokenizer_rank_0_cannot_prepare_fails_every_rank_with_a_reason(tmp_path):

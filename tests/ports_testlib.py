@@ -18,28 +18,32 @@ LOWEST = 20000
 """Below it: well-known services, and ``tests/ops/slurmharness.free_port_block``'s blocks (from 17000)."""
 
 
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux's default when it cannot be read)."""
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
     try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
     """A free TCP port on loopback, outside the ephemeral range (each distributed test rendezvouses on its
     own). Falls back to ``bind(0)`` where the range leaves too little room below it."""
-    low, _ = ephemeral_range()
-    rng = random.SystemRandom()
-    for _ in range(100 if low - LOWEST >= 1000 else 0):
-        port = rng.randrange(LOWEST, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    low = ephemeral_low()
+    if low - LOWEST >= 1000:
+        rng = random.SystemRandom()
+        for port in (rng.randrange(LOWEST, low) for _ in range(100)):
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -217,8 +217,9 @@ pretrain_step() {  # STAGE [NAME [--set K=V...]]: run A to STEPS, run B resumed 
   local stage=$1 name=${2:-z$1} port
   shift; if [ $# -gt 0 ]; then shift; fi
   local a="$WORK/$name-a" b="$WORK/$name-b"
-  # a free loopback port: checks (or tests) running side by side must not meet at one rendezvous
-  port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  # a free loopback port below the ephemeral range: checks (or tests) running side by side must not meet at
+  # one rendezvous, and no outgoing connection may take it before the job binds it (comera_dist/engine/ports.py)
+  port=$("$PYTHON" -m comera_dist.engine.ports)
   rm -rf "$a" "$b"
   NPROC=$NPROC MASTER_PORT=$port launch/torchrun.sh "${TRAIN[@]}" --set deepspeed.zero_stage="$stage" "$@" \
     --set train.output_dir="$a" --resume none > "$OUT/logs/pretrain-$name-a.log" 2>&1 \

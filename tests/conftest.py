@@ -12,7 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
-from ports_testlib import free_port
+
+from comera_dist.engine.ports import free_port
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from comera_dist.bench.common import base_parser, counts, write_result
+from comera_dist.engine.ports import LOOPBACK, free_port
 
 MODEL = {"arch": "bert_mlm", "vocab_size": 2048, "hidden_size": 128, "num_layers": 2, "num_heads": 4,
          "intermediate_size": 512, "max_positions": 64, "dropout": 0.0,
@@ -65,7 +65,7 @@ def _logged_bytes() -> dict[str, int]:
 
 
 def _rank_main(rank: int, world: int, port: int, workdir: str, opts: dict[str, Any]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=LOOPBACK,
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from deepspeed.comm import comm as ds_comm
@@ -99,18 +99,12 @@ def _rank_main(rank: int, world: int, port: int, workdir: str, opts: dict[str, A
         pickle.dump(result, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(*, zero_stage: int, micro: int, warmup: int, steps: int, world: int = 2) -> list[dict[str, Any]]:
     """Run the measurement on ``world`` spawned ranks; returns each rank's result."""
     opts = {"zero_stage": zero_stage, "micro": micro, "warmup": warmup, "steps": steps}
     with tempfile.TemporaryDirectory(prefix="comera-bench-comm-") as workdir:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank_main, args=(r, world, port, workdir, opts)) for r in range(world)]
         for p in procs:
             p.start()

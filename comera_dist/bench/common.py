@@ -175,10 +175,7 @@ def single_rank_env() -> None:
     ``trainer-rate``) call ``engine.trainer.train`` as rank 0 of 1."""
     if "RANK" in os.environ:
         return
-    import socket
+    from comera_dist.engine.ports import LOOPBACK, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,8 +20,8 @@ import torch.distributed
 from deepspeed.accelerator import get_accelerator
 
 from comera_dist.engine.errors import InputError
+from comera_dist.engine.ports import LOOPBACK, free_port
 
-LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 29500
 
 
@@ -75,12 +74,6 @@ def quiet_barrier_device_notice() -> None:
     warnings.filterwarnings("ignore", message=BARRIER_DEVICE_NOTICE, category=UserWarning)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
 def discover_ranks(env: dict[str, str] | None = None) -> str:
     """Fill ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in ``env``.
 
@@ -118,7 +111,7 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
     else:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         env.setdefault("MASTER_ADDR", LOOPBACK)
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
         return "single"
     if one_host:
         # MPI discovery would take the first address of `hostname -I`, which is not loopback (and

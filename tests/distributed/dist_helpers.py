@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ports_testlib import free_port
+from comera_dist.engine.ports import free_port
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, workdir: str, args: tuple) -> None:

@@ -17,10 +17,10 @@ import signal
 import pytest
 import test_launchers as tl
 import torch
-from ports_testlib import free_port
 from test_launchers import checkpoint_tags, job_env, rank_processes, run_overrides
 
 from comera_dist.engine.checkpoint import tag_for
+from comera_dist.engine.ports import free_port
 
 jobs = tl.jobs  # the job-starting fixture (tears every process tree down)
 

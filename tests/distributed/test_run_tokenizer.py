@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import run_ranks
-from ports_testlib import free_port
 
 from comera_dist.data.tokenizer import load_tokenizer, tokenizer_digest
+from comera_dist.engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORDPIECE = ["--set", "data.tokenizer.kind=wordpiece", "--set", "train.steps=2", "--set", "train.checkpoint_every=2",

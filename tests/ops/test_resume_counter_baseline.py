@@ -71,11 +71,12 @@ def test_a_resumed_comera_pretrain_counts_none_of_its_restored_steps(tmp_path):
     resumed): every scrape of the resumed job, from the first (which the run waits for before its first step,
     ``metrics.first_scrape_timeout_s``) to the last (``final_scrape_timeout_s``, after step 6), reads 0."""
     import os
-    import socket
     import subprocess
     import sys
     import time
     from pathlib import Path
+
+    from comera_dist.engine.ports import free_port
 
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -88,9 +89,7 @@ def test_a_resumed_comera_pretrain_counts_none_of_its_restored_steps(tmp_path):
                            text=True,
                            env={**env, "COMERA_FAULT_NONFINITE_STEPS": "2,3"}, timeout=300)
     assert first.returncode == 0 and "(2 in a row, 2 in total)" in first.stderr, first.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     resumed = subprocess.Popen([sys.executable, "-m", "comera_dist.cli", *run, "--set", "train.steps=6",
                                 "--set", "train.log_every=1", "--set", f"metrics.prometheus_port={port}",
                                 "--set", "metrics.first_scrape_timeout_s=50",

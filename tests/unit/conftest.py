@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+
+from comera_dist.engine.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -13,9 +13,7 @@ def engine():
     """A DeepSpeed engine in a one-process group on a free port; the group is destroyed after the module."""
     import deepspeed
     import deepspeed.comm as dist
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with pytest.MonkeyPatch.context() as mp:

@@ -9,6 +9,7 @@ import pytest
 
 from comera_dist.engine.distributed import DEFAULT_PORT, LOOPBACK, discover_ranks, init_distributed
 from comera_dist.engine.errors import InputError
+from comera_dist.engine.ports import ephemeral_low
 
 
 def test_launcher_env_is_kept():
@@ -54,6 +55,7 @@ def test_single_process_gets_a_free_loopback_port():
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("0", "1", "0", LOOPBACK)
         with socket.socket() as probe:
             probe.bind((LOOPBACK, int(env["MASTER_PORT"])))  # free while the default one is held
+        assert int(env["MASTER_PORT"]) < ephemeral_low()  # not a port the kernel hands to outgoing connections
 
 
 def test_single_process_keeps_a_given_master_addr_and_port():

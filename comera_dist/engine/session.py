@@ -68,7 +68,9 @@ class StepOutput:
     penalty: float
     """The rank penalty R (0 for a dense model)."""
     lam: float
-    """Late-stage lambda (1: this step optimised size, 0: the task loss); 0 in the early stage."""
+    """Late-stage lambda (1: size was optimised, 0: the task loss); 0 in the early stage. Each micro-batch
+    decides its own from its global loss; with gradient accumulation this is the step's last micro-batch's
+    (the controller's ``lam_switches`` counts every micro-batch's)."""
     stage: str
     """``early`` or ``late``."""
     skipped_nonfinite: bool

@@ -70,7 +70,7 @@ def _rank_main(rank: int, world: int, port: int, workdir: str, opts: dict[str, A
     torch.set_num_threads(1)
     from deepspeed.comm import comm as ds_comm
 
-    from comera_dist.engine.distributed import init_distributed
+    from comera_dist.engine.distributed import init_distributed, leave_distributed
     from comera_dist.engine.session import TrainSession
     from comera_dist.models import build_model
 
@@ -97,6 +97,7 @@ def _rank_main(rank: int, world: int, port: int, workdir: str, opts: dict[str, A
         session.close()
     with open(Path(workdir) / f"rank{rank}.pkl", "wb") as f:
         pickle.dump(result, f)
+    leave_distributed()  # left to interpreter exit, gloo's threads can abort the finished rank (-6)
 
 
 def measure(*, zero_stage: int, micro: int, warmup: int, steps: int, world: int = 2) -> list[dict[str, Any]]:

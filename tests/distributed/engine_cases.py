@@ -80,6 +80,15 @@ def full_params(session) -> dict[str, torch.Tensor]:
     return params
 
 
+def model_with(cfg: RunConfig, params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain (not DeepSpeed) model of ``cfg`` holding ``params`` (``full_params``' output): a reference's."""
+    model = factory(cfg)()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
 def master(session, layer: torch.nn.Module, attr: str = "gate") -> torch.Tensor:
     """The fp32 master of ``layer.<attr>`` (collective under ZeRO), flat, packed or not (``packing.holder``)."""
     from comera_dist.engine.hooks import full_fp32

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from dist_helpers import run_ranks
-from engine_cases import batch, factory, full_params, micro_batches, tiny_config
+from engine_cases import batch, factory, full_params, micro_batches, model_with, tiny_config
 
 STEPS, ACCUM, STAGES = 2, 2, (1, 3)
 FIELDS = ("loss", "task_loss", "penalty", "lam", "stage", "grad_norm", "skipped_nonfinite")
@@ -59,21 +59,13 @@ def _session_values(rank: int, world_size: int, outdir: str) -> dict:
     return out
 
 
-def _model(cfg, params: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model = factory(cfg)()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
-    return model
-
-
 def _reference_step(cfg, before: dict, step: int) -> dict:
     """What step ``step`` must report, from the weights and controller state before it."""
     from comera_dist.compression.accounting import model_size
     from comera_dist.compression.controller import RankController
     from comera_dist.compression.penalty import rank_penalty
 
-    model = _model(cfg, before["params"])
+    model = model_with(cfg, before["params"])
     # the global task loss: the mean over both ranks' micro-batches
     task = torch.stack([model(**mb)["loss"] for r in range(2) for mb in micro_batches(step, r, ACCUM)]).mean()
     penalty, size = rank_penalty(model), model_size(model)
@@ -93,7 +85,7 @@ def _reference_step(cfg, before: dict, step: int) -> dict:
 @torch.no_grad()
 def _reference_eval(cfg, params: dict[str, torch.Tensor], *, shift: bool) -> tuple[float, float]:
     """Token-weighted (loss, accuracy) over both ranks' probe batches, from logits by hand."""
-    model = _model(cfg, params).eval()
+    model = model_with(cfg, params).eval()
     loss_sum, correct, count = 0.0, 0, 0
     for b in _probe(0) + _probe(1):
         logits, labels = model(input_ids=b["input_ids"])["logits"], b["labels"]  # (B, T, V), (B, T)

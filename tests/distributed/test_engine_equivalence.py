@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from dist_helpers import run_ranks
-from engine_cases import batch, factory, full_params, tiny_config
+from engine_cases import batch, factory, full_params, model_with, tiny_config
 
 STEPS, ACCUM = 3, 2
 
@@ -42,10 +42,7 @@ def _reference(cfg, init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     from comera_dist.compression.groups import param_groups
     from comera_dist.compression.penalty import rank_penalty
 
-    model = factory(cfg)()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(init[name])
+    model = model_with(cfg, init)
     ds = cfg.deepspeed
     opt = torch.optim.AdamW(param_groups(model, cfg.comera.lr), betas=tuple(ds.adam_betas), eps=ds.adam_eps)
     controller = RankController(cfg.comera.controller)

@@ -8,8 +8,9 @@ disagree: the lower-loss one goes first, and ``comera.controller.target_loss`` i
 global loss (and the step's mean) is under the threshold and the second's over it. So lambda is 1
 then 0, and a session that decided once on the mean (1), or reported the first micro-batch's,
 would report another lambda, objective and gradient. ZeRO 1 puts R in the loss; ZeRO 3 sums
-d objective / d R over the micro-batches into the gates (the penalty hook's proxy), 1.01 and 0.01
-here, so keeping only the last micro-batch's would shrink the gates' penalty gradient fifty-fold.
+d objective / d R over the micro-batches into the gates (the penalty hook's proxy): 1.01 and 0.01
+here (``late_rank_weight`` + lambda), 0.505 and 0.005 after the engine's 1/2 accumulation scaling, so
+keeping only the last micro-batch's would shrink the gates' penalty gradient about a hundred-fold.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def _micro_batches(rank: int, order: list[int]) -> list[dict[str, torch.Tensor]]
     return [batches[m] for m in order]
 
 
+def _global_losses(model: torch.nn.Module, order: list[int]) -> list[torch.Tensor]:
+    """Each micro-batch's global task loss (the mean over both ranks), in ``order``; with graph unless no_grad."""
+    per_rank = [_micro_batches(r, order) for r in range(2)]
+    return [torch.stack([model(**batches[m])["loss"] for batches in per_rank]).mean() for m in range(ACCUM)]
+
+
 @torch.no_grad()
 def _splitting_case(cfg, params: dict[str, torch.Tensor]) -> tuple[list[int], float]:
     """(the micro-batches' order, L*): the lower global task loss (the mean over both ranks) first, and
     L* whose threshold 2 L* lies halfway between the step's mean loss and the last micro-batch's."""
-    model = model_with(cfg, params)
-    losses = [sum(float(model(**micro_batches(1, r, ACCUM)[m])["loss"]) for r in range(2)) / 2
-              for m in range(ACCUM)]
+    losses = [float(t) for t in _global_losses(model_with(cfg, params), list(range(ACCUM)))]
     order = sorted(range(ACCUM), key=losses.__getitem__)
     mean = sum(losses) / len(losses)
     return order, (mean + losses[order[-1]]) / 2 * (1 - RATIO)
@@ -82,8 +87,7 @@ def _reference(cfg, before: dict, order: list[int], *, per_micro_batch: bool) ->
     from comera_dist.compression.penalty import rank_penalty
 
     model = model_with(cfg, before["params"])
-    tasks = [torch.stack([model(**_micro_batches(r, order)[m])["loss"] for r in range(2)]).mean()
-             for m in range(ACCUM)]  # each micro-batch's global task loss, with graph
+    tasks = _global_losses(model, order)  # with graph
     penalty, size = rank_penalty(model), model_size(model)
     controller = RankController(cfg.comera.controller)
     controller.load_state_dict(before["controller"])
@@ -120,7 +124,7 @@ def test_each_micro_batch_decides_its_own_lambda(tmp_path):
         for key in ("loss", "task_loss", "penalty"):
             assert math.isclose(out[key], want[key], rel_tol=1e-5), f"{key}, {where}"
         # 1e-5, not test_session_values' 1e-4: the task gradient dominates the norm, and ZeRO 3 keeping only the
-        # last micro-batch's d objective / d R (0.005 for 0.515) moves it by 7e-5 (rounding: under 1e-6)
+        # last micro-batch's d objective / d R (0.005 for 0.51) moves it by 7e-5 (rounding: under 1e-6)
         assert math.isclose(out["grad_norm"], want["grad_norm"], rel_tol=1e-5), f"grad_norm, {where}"
         controller = got["controller"]
         assert want["lam_switches"] == 1

@@ -6,7 +6,9 @@ fork/join; on a shared CPU the barrier waits for a descheduled sibling thread, a
 GEMM was measured at 21 ms with 2 threads vs 0.017 ms with 1 (docs/bench/layers-cpu.md).
 ``on_one_thread(fn, *tensors)`` evaluates ``fn`` with one thread and replays its backward the
 same way through a private autograd graph. CUDA tensors, ``torch.compile`` tracing and
-single-threaded processes call ``fn`` directly. Double backward through it is not supported.
+single-threaded processes call ``fn`` directly, and so do ``torch.func`` transforms (``grad``, ``vmap``).
+A backward asked for a graph (``create_graph=True``: second-order gradients) remakes ``fn`` from the saved inputs
+in the caller's graph, on the caller's threads, so that its gradients are themselves differentiable.
 
 Inside a checkpointed block (``models.blocks``, within ``inside_checkpoint()``) the private graph would escape
 ``torch.utils.checkpoint``: its node holds ``fn``'s outputs (and through them its graph) past the checkpoint's
@@ -43,15 +45,16 @@ def _leaves(inputs: tuple[Tensor, ...]) -> list[Tensor]:
 
 
 def _private_backward(outs: tuple[Tensor, ...], grads: tuple[Tensor | None, ...], leaves: list[Tensor],
-                      retain_graph: bool) -> tuple[Tensor | None, ...]:
+                      retain_graph: bool, create_graph: bool = False) -> tuple[Tensor | None, ...]:
     """The gradients of the leaves of a private graph from its outputs' (the caller runs it on one thread), as an
-    ``autograd.Function``'s backward returns them after ``fn``: ``(None, *per leaf)``."""
+    ``autograd.Function``'s backward returns them after ``fn``: ``(None, *per leaf)``. With ``create_graph`` the
+    "leaves" are the inputs themselves and ``outs`` was made from them in the caller's graph."""
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
     wanted = [t for t in leaves if t.requires_grad]
     if not pairs or not wanted:
         return (None,) * (1 + len(leaves))
     it = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True,
-                                  retain_graph=retain_graph))
+                                  retain_graph=retain_graph, create_graph=create_graph))
     return (None, *(next(it) if t.requires_grad else None for t in leaves))
 
 
@@ -61,11 +64,14 @@ class _OneThreadFn(torch.autograd.Function):
         with torch.enable_grad(), _OneThread():
             leaves = _leaves(inputs)
             outs = fn(*leaves)
-        ctx.leaves, ctx.outs = leaves, outs  # the private graph lives as long as this node
+        ctx.fn, ctx.leaves, ctx.outs = fn, leaves, outs  # the private graph lives as long as this node
+        ctx.save_for_backward(*inputs)  # unpacked only by a backward that builds a graph
         return tuple(o.detach() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the private graph's gradients would be constants
+            return _graph_backward(ctx.fn, ctx.saved_tensors, grads)
         with _OneThread():  # retain: the outer graph may be replayed (retain_graph=True)
             return _private_backward(ctx.outs, grads, ctx.leaves, retain_graph=True)
 
@@ -89,9 +95,19 @@ class _Remade(torch.autograd.Function):
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         inputs = ctx.saved_tensors
         enabled, dtype = ctx.autocast
+        if torch.is_grad_enabled():  # create_graph=True
+            with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+                return _graph_backward(ctx.fn, inputs, grads)
         with torch.enable_grad(), torch.autocast("cpu", dtype=dtype, enabled=enabled), _OneThread():
             leaves = _leaves(inputs)
             return _private_backward(ctx.fn(*leaves), grads, leaves, retain_graph=False)  # the graph dropped
+
+
+def _graph_backward(fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[Tensor, ...],
+                    grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """A backward under ``create_graph=True``: ``fn`` remade from the saved ``inputs`` in the caller's graph and
+    differentiated with a graph, so the gradients carry their own dependence on the inputs (second order)."""
+    return _private_backward(fn(*inputs), grads, list(inputs), retain_graph=True, create_graph=True)
 
 
 _state = threading.local()  # per thread: another thread's forward keeps its own mode
@@ -114,7 +130,8 @@ class inside_checkpoint:
 
 def on_one_thread(fn: Callable[..., tuple[Tensor, ...]], *inputs: Tensor) -> tuple[Tensor, ...]:
     """``fn(*inputs)`` (a tuple of tensors) computed, and differentiated, on one CPU thread."""
-    if torch.compiler.is_compiling() or torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs):
+    if (torch.compiler.is_compiling() or torch.get_num_threads() == 1 or any(t.is_cuda for t in inputs)
+            or torch._C._are_functorch_transforms_active()):  # torch.func needs a setup_context Function
         return fn(*inputs)  # compiled graphs schedule their own small ops
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         with _OneThread():

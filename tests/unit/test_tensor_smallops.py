@@ -89,7 +89,8 @@ def test_inside_a_checkpoint_it_keeps_only_its_inputs_and_remakes_fn_in_backward
         results[inside] = ([t.shape for t in packed], out, grads)
     assert threads == [1, 1, 1] and torch.get_num_threads() == 2  # private: once; inside: forward, then backward
     assert results[True][0] == [a.shape, b.shape]  # the inputs, nothing of fn's graph
-    assert len(results[False][0]) == 3  # the private graph's own saves: x, y and exp's result
+    assert len(results[False][0]) == 5  # the node's inputs (for a create_graph backward), and the private graph's
+    # own saves: x, y and exp's result
     torch.testing.assert_close(results[True][1], results[False][1])
     for got, want in zip(results[True][2], results[False][2], strict=True):
         torch.testing.assert_close(got, want)
@@ -100,6 +101,39 @@ def test_inside_a_checkpoint_it_keeps_only_its_inputs_and_remakes_fn_in_backward
         worker.start()
         worker.join()
     assert seen == ["_OneThreadFnBackward"]  # the other thread kept the private graph
+
+
+def test_second_order_gradients_match_the_direct_path(two_threads):
+    """A backward under ``create_graph=True`` (second order: MAML, gradient penalties) remakes ``fn`` in the
+    caller's graph, private graph or inside a checkpoint, so its gradients are differentiable as the direct call's
+    (one thread) are; before, the private graph's were constants and a MAML step's outer gradient silently lost
+    its second-order term. ``torch.func.grad`` calls ``fn`` directly (it needs a ``setup_context`` Function)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, y):
+        return ((x @ y).sin(), (y * y).sum())
+
+    assert torch.autograd.gradgradcheck(lambda x, y: on_one_thread(fn, x, y), (a, b))
+    assert torch.autograd.gradgradcheck(lambda x, y: _inside(fn, x, y), (a, b))
+    torch.manual_seed(0)
+    layer = TTLinear(12, 10, in_modes=[3, 4], out_modes=[2, 5], max_rank=3, order="lr", dtype=torch.float64)
+    x_in, x_out = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 12, dtype=torch.float64)
+
+    def call(core, x):
+        return torch.func.functional_call(layer, {"core": core}, (x,), strict=False)
+
+    def outer():  # one inner SGD step with a graph, then the gradient of the loss after it
+        (g,) = torch.autograd.grad(call(layer.core, x_in).pow(2).sum(), layer.core, create_graph=True)
+        return torch.autograd.grad(call(layer.core - 0.01 * g, x_out).pow(2).sum(), layer.core)[0]
+
+    got, func_got = outer(), torch.func.grad(lambda c: call(c, x_in).pow(2).sum())(layer.core.detach())
+    torch.set_num_threads(1)  # the direct path
+    want, func_want = outer(), torch.func.grad(lambda c: call(c, x_in).pow(2).sum())(layer.core.detach())
+    torch.set_num_threads(2)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(func_got, func_want)
 
 
 def _inside(fn, *inputs):

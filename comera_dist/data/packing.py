@@ -2,7 +2,9 @@
 
 Layout (documented contract for the models):
 - every document is tokenized without special tokens and followed by ``[SEP]`` (the tokenizer's
-  ``sep_token``, else its ``eos_token``), and the documents are concatenated in stored order;
+  ``sep_token``, else its ``eos_token``), and the documents are concatenated in stored order. Text that
+  spells a special token ("[SEP]", "[MASK]" in code or prose) is tokenized as the text it is, so only the
+  layout's own separators, ``[CLS]`` and the collator's masks carry special ids;
 - ``mlm``: the stream is cut into chunks of ``seq_len - 2`` tokens, each block is
   ``[CLS] chunk [SEP]``;
 - ``causal``: the stream is cut into blocks of ``seq_len`` tokens (labels are the inputs; the
@@ -22,6 +24,9 @@ from comera_dist.data.errors import DataError
 
 CHUNK_DOCS = 256
 """Documents tokenized per call (and per progress-bar update)."""
+LAYOUT_VERSION = 2
+"""Part of the packed blocks' cache key: bump when the same text and tokenizer pack differently (2: text
+spelling a special token stays text)."""
 
 
 def separator_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -70,7 +75,8 @@ def token_stream(docs: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, *, 
     with tqdm(total=len(docs), desc=desc, unit="doc", disable=not show_progress) as bar:
         for start in range(0, len(docs), CHUNK_DOCS):
             texts = docs[start:start + CHUNK_DOCS]["text"]
-            for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+            encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)
+            for ids in encoded["input_ids"]:
                 pieces.append(np.asarray(ids, dtype=np.int32))
                 pieces.append(np.asarray([sep], dtype=np.int32))
             bar.update(len(texts))

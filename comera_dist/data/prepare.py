@@ -99,7 +99,7 @@ def _prepare(cfg: DataConfig, *, build: bool, show_progress: bool,
         tokenizer, docs = _tokenizer(cfg, root, corpus_key, build=build, show_progress=show_progress)
     blocks_path = cache.entry_dir(root, "blocks", cache.content_key(
         "blocks", {"tokenizer": tokenizer_digest(tokenizer), "corpus": corpus_key, "seq_len": cfg.seq_len,
-                   "objective": cfg.objective}))
+                   "objective": cfg.objective, "layout": packing.LAYOUT_VERSION}))
     if cache.read_meta(blocks_path) is None:
         if not build:
             raise cache.missing_after_build(blocks_path)

@@ -28,3 +28,15 @@ def test_a_stream_that_fills_its_last_causal_block_exactly_keeps_it():
     ds = packing.pack(docs, tokenizer, seq_len=4, objective="causal", show_progress=False)
     ids = np.asarray(ds.with_format("numpy")["input_ids"])
     assert ids.tolist() == [[6, 7, 8, 3], [9, 10, 11, 3]]
+
+
+def test_text_that_spells_a_special_token_is_packed_as_text():
+    # Code and prose mention "[SEP]" or "[MASK]"; as ids 3 and 4 they would read as a document boundary or a
+    # position the collator already masked. Only the layout's own [CLS]/[SEP] may carry special ids.
+    tokenizer = _word_level(["[", "]", "SEP", "MASK", "CLS", "a"], sep_token="[SEP]", cls_token="[CLS]",
+                            mask_token="[MASK]")
+    docs = datasets.Dataset.from_dict({"text": ["a [SEP] a [MASK] [CLS] a"]})
+    ds = packing.pack(docs, tokenizer, seq_len=15, objective="mlm", show_progress=False)
+    ids = np.asarray(ds.with_format("numpy")["input_ids"])
+    # [CLS], then a [ SEP ] a [ MASK ] [ CLS ] a as text, the document's separator, the block's [SEP]
+    assert ids.tolist() == [[2, 10, 5, 7, 6, 10, 5, 8, 6, 5, 9, 6, 10, 3, 3]]

@@ -65,6 +65,8 @@ def read_text_file(path: Path) -> tuple[str, bool]:
 
     Python files honour their PEP 263 encoding cookie (``tokenize.open``); anything that
     still fails to decode (or any other file) is read as UTF-8 with U+FFFD replacements.
+    Line endings ``\\r\\n`` and ``\\r`` become ``\\n``, as the ``datasets`` text builder (a text-mode
+    ``open``) reads them, so a file tokenizes alike whichever of the two read it.
     """
     if path.suffix == ".py":
         try:
@@ -74,9 +76,15 @@ def read_text_file(path: Path) -> tuple[str, bool]:
             pass  # bad or unknown cookie, or bytes invalid in the declared encoding
     data = path.read_bytes()
     try:
-        return data.decode("utf-8"), False
+        text, lossy = data.decode("utf-8"), False
     except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace"), True
+        text, lossy = data.decode("utf-8", errors="replace"), True
+    return universal_newlines(text), lossy
+
+
+def universal_newlines(text: str) -> str:
+    """``text`` with ``\\r\\n`` and lone ``\\r`` turned into ``\\n`` (Python's text-mode reading)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def resolve_paths(patterns: Iterable[str], *, where: str = "data.files") -> list[Path]:
@@ -126,10 +134,28 @@ def load_files(paths: Sequence[Path], *, builder: str, text_column: str, sample_
         kwargs.update(sample_by=sample_by, encoding_errors="replace")
     try:
         ds = datasets.load_dataset(builder, **kwargs)
-    except Exception as e:  # datasets raises many types; the file list is what the user needs
-        raise DataError(f"load_dataset({builder!r}) failed on {len(paths)} file(s) "
-                        f"(first: {paths[0]}): {type(e).__name__}: {e}") from e
+    except Exception as e:  # datasets raises many types; the file that fails is what the user needs
+        raise load_failure(paths, builder, kwargs, e) from e
     return text_only(ds, text_column, where=f"files {paths[0]} ...", setting=setting)
+
+
+def load_failure(paths: Sequence[Path], builder: str, kwargs: dict, error: Exception) -> DataError:
+    """The error of a failed ``load_dataset(builder, **kwargs)`` over ``paths``, naming the first file that
+    fails on its own (each one is loaded alone to find it), else saying that they fail only together."""
+    def failure(files: str, e: Exception) -> DataError:
+        cause = e.__cause__  # datasets wraps the parser's error in "An error occurred while generating ..."
+        why = f"{type(e).__name__}: {e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        return DataError(f"load_dataset({builder!r}) failed on {files}: {why}")
+
+    if len(paths) == 1:
+        return failure(str(paths[0]), error)
+    for path in paths:
+        try:
+            datasets.load_dataset(builder, **{**kwargs, "data_files": [str(path)], "num_proc": None})
+        except Exception as e:  # noqa: BLE001 - any failure of this file alone names it
+            return failure(f"{path} (one of {len(paths)} files)", e)
+    return failure(f"{len(paths)} files together, though each loads alone (do their columns or types "
+                   f"differ?), first {paths[0]}", error)
 
 
 def text_only(ds: datasets.Dataset, text_column: str, *, where: str,

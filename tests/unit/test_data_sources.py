@@ -98,3 +98,33 @@ def test_infer_builder(tmp_path):
         sources.infer_builder([tmp_path / "a.json", tmp_path / "b.txt"], None)
     with pytest.raises(DataError, match=r"cannot infer a builder for extensions \['.csv'\]"):
         sources.infer_builder([tmp_path / "a.csv"], None)
+
+
+def test_text_files_read_alike_by_evaluation_and_by_the_datasets_text_builder(tmp_path):
+    # Training reads data.files through the datasets text builder, evaluation through read_text_file: one
+    # file must make the same document either way, whatever its line endings.
+    _tree(tmp_path, {"w.txt": b"def f():\r\n    return 1\r\n", "m.md": b"# t\rbody\r\n\r\nend\n",
+                     "c.py": b"x = 1\r\ny = 2\r\n", "odd.py": b"# coding: no-such-codec\r\nok = 1\r\n"})
+    paths = sorted(tmp_path.iterdir())
+    built = sources.load_files(paths, builder="text", text_column="text", sample_by="document",
+                               cache_dir=tmp_path / "hf", num_proc=1)["text"]
+    assert built == [sources.read_text_file(p)[0] for p in paths]
+    assert not any("\r" in t for t in built)
+
+
+def test_a_broken_file_among_several_is_the_one_named(tmp_path):
+    _tree(tmp_path, {"a.jsonl": '{"text": "one"}\n', "b.jsonl": '{"text": "two"}\n{"text": \n',
+                     "c.jsonl": '{"text": "three"}\n'})
+    paths = sorted(tmp_path.glob("*.jsonl"))
+    with pytest.raises(DataError, match=r"failed on \S*b\.jsonl \(one of 3 files\)") as err:
+        sources.load_files(paths, builder="json", text_column="text", sample_by="document",
+                           cache_dir=tmp_path / "hf", num_proc=1)
+    assert "a.jsonl" not in str(err.value)
+
+
+def test_files_that_fail_only_together_say_so_with_the_parsers_reason(tmp_path):
+    _tree(tmp_path, {"a.jsonl": '{"text": "a", "n": 1}\n', "b.jsonl": '{"text": "b", "n": "x"}\n'})
+    with pytest.raises(DataError, match=r"failed on 2 files together, though each loads alone .*"
+                                        r"ArrowInvalid: Failed to parse string: 'x'"):
+        sources.load_files(sorted(tmp_path.glob("*.jsonl")), builder="json", text_column="text",
+                           sample_by="document", cache_dir=tmp_path / "hf", num_proc=1)

@@ -78,7 +78,9 @@ class DataConfig:
     objective: Literal["mlm", "causal"] = "mlm"
     """``mlm``: blocks are ``[CLS] ... [SEP]`` and masked 80/10/10; ``causal``: plain packed tokens."""
     mlm_probability: float = 0.15
-    """Fraction of (non-special) tokens selected for masked-language-model prediction."""
+    """Masked-language-model selection: ``max(1, round(mlm_probability * seq_len))`` non-special tokens per
+    block, a slightly larger share of the non-special ones (``[CLS]``, ``[SEP]`` and document separators
+    are never selected)."""
     cache_dir: str | None = None
     """Cache root; ``null`` means ``$COMERA_CACHE`` or ``~/.cache/comera-dist``."""
     max_files: int | None = None

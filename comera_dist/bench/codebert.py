@@ -88,7 +88,8 @@ def validation_loss(model: nn.Module, prepared: PreparedData, *, batch_size: int
     total, n = 0.0, 0
     with torch.no_grad():
         for batch in eval_batches(prepared.validation if dataset is None else dataset, batch_size=batch_size, rank=0,
-                                  world_size=1, seed=1234, collator=prepared.collator, max_batches=max_batches):
+                                  world_size=1, seed=1234, collator=prepared.collator,
+                                  max_blocks=max_batches * batch_size):
             total += float(model(**batch)["loss"])
             n += 1
     model.train()

@@ -1,10 +1,11 @@
-"""Batch collators: MLM masking (80/10/10) and causal LM, deterministic given a ``torch.Generator``.
+"""Batch collators: MLM masking (80/10/10) and causal LM, deterministic given each block's key.
 
-A collator is ``collate(input_ids (B, L) int64, generator) -> dict(input_ids, labels, ...)``, both
+A collator is ``collate(input_ids (B, L) int64, keys (B,) uint64) -> dict(input_ids, labels, ...)``, both
 ``(B, L)`` int64; ignored label positions are ``-100``. The MLM collator adds ``mlm_positions``
 ``(B, P)``: a fixed number of positions per row holding every label, so the model runs its head
-and loss on those rows only (static shapes, no host sync). ``PackedLoader`` seeds the generator per
-(seed, step, rank) with ``batch_seed``, so a batch's masks depend only on those.
+and loss on those rows only (static shapes, no host sync). ``keys`` name the blocks
+(``noise.block_keys``): a row's masks are a function of its key alone (``noise.uniform``), whatever
+rank, batch or world size collates it.
 
 There is no ``attention_mask``: packed blocks hold no padding, and an all-ones mask would make
 the models build a ``(B, 1, T, T)`` boolean mask, which keeps SDPA off its flash and
@@ -16,20 +17,23 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from comera_dist.data.errors import DataError
+from comera_dist.data.noise import uniform
 
 IGNORE_INDEX = -100
 """Label of positions that carry no loss (the ``ignore_index`` of ``F.cross_entropy``)."""
 
-Collator = Callable[[Tensor, torch.Generator], dict[str, Tensor]]
+Collator = Callable[[Tensor, np.ndarray], dict[str, Tensor]]
 
 
 def batch_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit generator seed from (seed, step, rank), well mixed so nearby triples are unrelated."""
+    """A 63-bit generator seed from (seed, step, rank), well mixed so nearby triples are unrelated
+    (``PackedLoader`` draws each epoch's order from ``batch_seed(seed, epoch, -1)``)."""
     digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -54,18 +58,21 @@ def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.
     ordinary = torch.tensor([i for i in range(vocab) if i not in set(special.tolist())], dtype=torch.long)
     mask_id = tokenizer.mask_token_id
 
-    def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+    def collate(input_ids: Tensor, keys: np.ndarray) -> dict[str, Tensor]:
         ids = input_ids.long()  # (B, L)
+        _check_keys(keys, ids)
+        length = ids.shape[1]
         eligible = ~torch.isin(ids, special)  # (B, L)
-        count = max(1, round(mlm_probability * ids.shape[1]))  # P
-        keys = torch.rand(ids.shape, generator=generator).masked_fill(~eligible, 2.0)  # ineligible sort last
-        positions = keys.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, P) a random P-subset, ascending
+        count = max(1, round(mlm_probability * length))  # P
+        order = uniform(keys, length, 0).masked_fill(~eligible, 2.0)  # (B, L): ineligible sort last
+        positions = order.argsort(dim=1)[:, :count].sort(dim=1).values  # (B, P) a random P-subset, ascending
         selected = torch.zeros_like(eligible).scatter_(1, positions, True) & eligible  # (B, L)
         labels = torch.where(selected, ids, IGNORE_INDEX)  # (B, L)
-        draw = torch.rand(ids.shape, generator=generator)  # (B, L): one draw decides 80/10/10
+        draw = uniform(keys, length, 1)  # (B, L): one draw decides 80/10/10
         to_mask = selected & (draw < 0.8)
         to_random = selected & (draw >= 0.8) & (draw < 0.9)
-        random_ids = ordinary[torch.randint(len(ordinary), ids.shape, generator=generator)]  # (B, L)
+        pick = (uniform(keys, length, 2) * len(ordinary)).long().clamp_(max=len(ordinary) - 1)  # (B, L)
+        random_ids = ordinary[pick]
         out = torch.where(to_mask, mask_id, ids)
         out = torch.where(to_random, random_ids, out)
         return {"input_ids": out, "labels": labels, "mlm_positions": positions}
@@ -76,8 +83,9 @@ def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.
 def causal_collator() -> Collator:
     """Causal LM: labels are the inputs unshifted (the model shifts, as HF causal models do)."""
 
-    def collate(input_ids: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+    def collate(input_ids: Tensor, keys: np.ndarray) -> dict[str, Tensor]:
         ids = input_ids.long()  # (B, L)
+        _check_keys(keys, ids)
         return {"input_ids": ids, "labels": ids.clone()}
 
     return collate
@@ -90,3 +98,9 @@ def collator_for(objective: str, tokenizer: PreTrainedTokenizerBase, mlm_probabi
     if objective == "causal":
         return causal_collator()
     raise DataError(f"data.objective must be 'mlm' or 'causal', got {objective!r}")
+
+
+def _check_keys(keys: np.ndarray, ids: Tensor) -> None:
+    if ids.ndim != 2 or np.shape(keys) != (ids.shape[0],):
+        raise DataError(f"a collator takes blocks (B, L) and one key per block (B,); got blocks {tuple(ids.shape)} "
+                        f"and keys {np.shape(keys)}")

@@ -5,11 +5,14 @@ the same on every rank). The epoch is consumed in global batches of ``batch_size
 blocks; rank ``r`` takes the ``r``-th slice of ``batch_size`` of each, so ranks never share a
 block within an epoch. The state is (epoch, position = blocks of the epoch consumed by all ranks,
 step = batches yielded), which does not depend on the world size: a run resumed on a different
-number of ranks continues with the same unseen blocks, re-sliced.
+number of ranks continues with the same unseen blocks, re-sliced. A block's masks are keyed by
+(seed, epoch, its slot in the epoch's order) (``noise.block_keys``), so they too are the same at any
+world size: two ranks with one micro-batch each and one rank accumulating two see the same batch.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,8 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from comera_dist.data.collators import Collator, batch_seed
+from comera_dist.data.collators import IGNORE_INDEX, Collator, batch_seed
 from comera_dist.data.errors import DataError
+from comera_dist.data.noise import EVAL_EPOCH, block_keys
 
 
 def _one_intra_op_thread() -> None:
@@ -95,16 +99,19 @@ class PackedLoader:
         return epoch, position, step
 
     def _batch_at(self, epoch: int, position: int, step: int) -> dict[str, Tensor]:
-        """The batch at (epoch, position, step): a pure function of them (safe on the prefetch thread)."""
+        """The batch at (epoch, position, step): a pure function of epoch and position, whatever the step and the
+        world size (safe on the prefetch thread)."""
         g = self.batch_size * self.world_size
         order = self._order(epoch)  # (n,)
         ids = order[position:position + g]  # (<= g,)
         if len(ids) < g:  # drop_last=False: wrap around to the start of this epoch's order
             ids = torch.cat([ids, order[:g - len(ids)]])
-        mine = ids[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]  # (B,)
+        first = self.rank * self.batch_size
+        mine = ids[first:first + self.batch_size]  # (B,)
         blocks = torch.from_numpy(self.dataset[mine.numpy()]["input_ids"].astype(np.int64))  # (B, L)
-        gen = torch.Generator().manual_seed(batch_seed(self.seed, step, self.rank))
-        batch = self.collator(blocks, gen)
+        # keyed by slot in the epoch's order (a wrapped block's slot is past the end: masks of its own)
+        slots = np.arange(position + first, position + first + self.batch_size)
+        batch = self.collator(blocks, block_keys(self.seed, epoch, slots))
         if self.pin_memory:
             batch = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in batch.items()}
         return batch
@@ -139,27 +146,33 @@ class PackedLoader:
 
 
 def eval_batches(dataset: datasets.Dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 collator: Collator, max_batches: int | None = None) -> Iterator[dict[str, Tensor]]:
-    """One pass over this rank's contiguous shard, in order, with masks fixed by ``seed``.
+                 collator: Collator, max_blocks: int | None = None) -> Iterator[dict[str, Tensor]]:
+    """One validation pass over the first ``max_blocks`` blocks (default: all), shared among the ranks.
 
-    Every rank yields the same number of batches (the last ``len % world_size`` blocks are left
-    out, and the final batch may be short), as ZeRO-3 forwards are collective. The same seed
-    gives the same masks at every evaluation, so successive validation losses are comparable.
+    Rank ``r`` takes the ``r``-th of ``world_size`` near-equal contiguous shards, in batches of at most
+    ``batch_size``. Every rank yields the same number of batches, as ZeRO-3 forwards are collective: a
+    shard shorter than its batches (only at ``batch_size`` 1) ends with its last block again, every label
+    ignored, which adds no label token. Masks are keyed by block (``noise.block_keys``), so the ranks
+    together see the same blocks with the same masks at any world size: the validation loss is a
+    function of the weights, comparable across an elastic resume and with ``comera evaluate``.
     """
     _check(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}", who="eval_batches")
     _check(world_size >= 1 and 0 <= rank < world_size, f"rank={rank} not in [0, world_size={world_size})",
            who="eval_batches")
-    per_rank = len(dataset) // world_size
-    _check(per_rank >= 1, f"the evaluation set has {len(dataset)} blocks, fewer than world_size={world_size}",
+    _check(max_blocks is None or max_blocks >= 1, f"max_blocks must be >= 1, got {max_blocks}", who="eval_batches")
+    n = len(dataset) if max_blocks is None else min(len(dataset), max_blocks)
+    _check(n >= world_size, f"the evaluation set has {n} blocks, fewer than world_size={world_size}",
            who="eval_batches")
     data = dataset.with_format("numpy", columns=["input_ids"])
-    starts = range(rank * per_rank, (rank + 1) * per_rank, batch_size)
-    for i, start in enumerate(starts):
-        if max_batches is not None and i >= max_batches:
-            return
-        stop = min(start + batch_size, (rank + 1) * per_rank)
-        blocks = torch.from_numpy(data[start:stop]["input_ids"].astype(np.int64))  # (b, L)
-        yield collator(blocks, torch.Generator().manual_seed(batch_seed(seed, i, rank)))
+    shard = np.array_split(np.arange(n), world_size)[rank]  # (n/W,) this rank's blocks
+    per_rank = math.ceil(math.ceil(n / world_size) / batch_size)  # the longest shard's batches
+    for part in np.array_split(shard, per_rank):
+        ids = part if len(part) else shard[-1:]  # (b,)
+        blocks = torch.from_numpy(data[ids]["input_ids"].astype(np.int64))  # (b, L)
+        batch = collator(blocks, block_keys(seed, EVAL_EPOCH, ids))
+        if not len(part):  # a filler: its forward keeps the ranks in step, its labels count nothing
+            batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+        yield batch
 
 
 def _check(ok: bool, message: str, who: str = "PackedLoader") -> None:

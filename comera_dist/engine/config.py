@@ -22,7 +22,8 @@ class TrainConfig:
     eval_every: int = 0
     """Optimizer steps between validation passes; 0 evaluates only at the end (>= 0)."""
     eval_batches: int = 8
-    """Validation micro-batches per rank in each validation pass (>= 1)."""
+    """Size of each validation pass, in micro-batches: the first ``eval_batches * micro_batch_size_per_gpu``
+    validation blocks, shared among the ranks, so the validation loss does not depend on the world size (>= 1)."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints; 0 checkpoints only at the end (>= 0)."""
     keep_checkpoints: int = 2

@@ -239,7 +239,8 @@ def evaluate_checkpoint(checkpoint: str | Path, data: Sequence[str], *, batch_si
                                    too_short="the checkpoint fixes data.seq_len: give --data more text")
         collator = collator_for(cfg.data.objective, tokenizer, cfg.data.mlm_probability)
         batches = list(eval_batches(blocks, batch_size=batch_size, rank=0, world_size=1, seed=seed,
-                                    collator=collator, max_batches=max_batches))
+                                    collator=collator,
+                                    max_blocks=None if max_batches is None else max_batches * batch_size))
     except DataError as e:
         raise InputError(str(e)) from e
     # what the user named, not ``path``: on a live run retention may delete that one meanwhile and load_run

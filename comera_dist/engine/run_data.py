@@ -65,10 +65,12 @@ class RunData:
         return [next(self.train) for _ in range(self.accumulation)]
 
     def validation_batches(self) -> Iterator[Batch]:
-        """The same ``train.eval_batches`` validation batches (same masks) at every evaluation."""
+        """This rank's share of the validation pass (``train.eval_batches``), the same blocks and masks at every
+        evaluation and world size."""
         return eval_batches(self.prepared.validation, batch_size=self.micro_batch, rank=self.info.rank,
                             world_size=self.info.world_size, seed=self.cfg.train.seed,
-                            collator=self.prepared.collator, max_batches=self.cfg.train.eval_batches)
+                            collator=self.prepared.collator,
+                            max_blocks=self.cfg.train.eval_batches * self.micro_batch)
 
     @property
     def tokens_per_step(self) -> int:

@@ -29,7 +29,7 @@ def label_token_sums(forward: Callable[..., Mapping[str, Any]], batches: Iterabl
             logits, labels = logits[:, :-1], labels[:, 1:]
         keep = labels != IGNORE_INDEX  # (B, T)
         n = float(keep.sum())
-        loss_sum += float(out["loss"]) * n
+        loss_sum += float(out["loss"]) * n if n else 0.0  # a batch of no label token (a filler) has a NaN mean
         correct += float((logits.argmax(-1) == labels)[keep].sum())
         count += n
     return loss_sum, correct, count

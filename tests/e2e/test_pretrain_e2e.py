@@ -440,15 +440,16 @@ def test_bad_data_input_exit_2_nothing_written(tmp_path):
     # A missing corpus file.
     _one_line_exit_2(comera(*base, "--set", "data.source=files", "--set", f"data.files=[{tmp_path / 'nope.txt'}]"),
                      "nope.txt")
-    # An unreadable cache: the same run's cache with its packed-blocks entry damaged.
+    # An unreadable cache: the run's own cache, built here (no other test's leftovers), its packed blocks damaged.
+    from comera_dist.config import load_run_config
+    from comera_dist.data.prepare import prepare_data
+
     cache = tmp_path / "cache"
-    blocks = CACHE.glob("blocks-*")
-    for entry in blocks:
-        target = cache / entry.name
-        target.mkdir(parents=True)
-        (target / "comera_meta.json").write_text("{not json")
-    for entry in CACHE.glob("tokenizer-*"):
-        subprocess.run(["cp", "-r", str(entry), str(cache / entry.name)], check=True)
+    prepare_data(load_run_config(REPO / "configs/tiny-cpu.yaml", [f"data.cache_dir={cache}"]).data,
+                 show_progress=False)
+    damaged = list(cache.glob("blocks-*/comera_meta.json"))
+    assert len(damaged) == 1, sorted(p.name for p in cache.iterdir())
+    damaged[0].write_text("{not json")
     _one_line_exit_2(comera(*base, "--set", f"data.cache_dir={cache}"), "unreadable cache entry")
     assert not out.exists()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from comera_dist.data import PackedLoader
+from comera_dist.data.noise import uniform
 
 L = 8
 
@@ -22,8 +23,8 @@ def _dataset(n):
     return datasets.Dataset(pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(flat), L)}))
 
 
-def _collate(ids, gen):
-    return {"input_ids": ids, "noise": torch.rand(ids.shape[0], generator=gen)}
+def _collate(ids, keys):
+    return {"input_ids": ids, "noise": uniform(keys, 1, 0)[:, 0]}
 
 
 def _loader(ds, **kw):
@@ -66,9 +67,9 @@ PROBE = """
 import torch
 from test_data_loader_prefetch import PackedLoader, _collate, _dataset
 seen = []
-def collate(ids, gen):
+def collate(ids, keys):
     seen.append(torch.get_num_threads())
-    return _collate(ids, gen)
+    return _collate(ids, keys)
 loader = PackedLoader(_dataset(9), batch_size=2, rank=0, world_size=1, seed=0, collator=collate, prefetch=True)
 for _ in range(3):
     next(loader)

@@ -97,15 +97,21 @@ def test_the_training_order_follows_the_seed(built):
     assert torch.equal(first[0], first[2]) and not torch.equal(first[0], first[1])
 
 
-def test_each_rank_evaluates_its_own_blocks_the_configured_number_of_batches_the_same_every_time(built):
-    data = built("train.eval_batches=2")
-    assert len(data.prepared.validation) >= 2 * 2 * data.micro_batch  # enough for more than 2 batches a rank
-    ranks = [list(dataclasses.replace(data, info=DistInfo(r, 2, r, "env")).validation_batches()) for r in (0, 1)]
-    assert [len(batches) for batches in ranks] == [2, 2]
-    assert not torch.equal(ranks[0][0]["input_ids"], ranks[1][0]["input_ids"])
-    again = list(dataclasses.replace(data, info=DistInfo(0, 2, 0, "env")).validation_batches())
-    for a, b in zip(ranks[0], again, strict=True):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+def test_the_ranks_share_the_configured_validation_pass_and_see_the_same_blocks_every_time(built):
+    data = built("train.eval_batches=2")  # 2 * micro_batch blocks in all, whatever the world size
+    assert len(data.prepared.validation) > 2 * data.micro_batch  # the pass is a prefix, not the whole split
+
+    def blocks(rank, world):
+        at = dataclasses.replace(data, info=DistInfo(rank, world, rank, "env"))
+        return [b["input_ids"] for b in at.validation_batches()]
+
+    alone = blocks(0, 1)
+    assert len(alone) == 2
+    ranks = [blocks(r, 2) for r in (0, 1)]
+    assert [len(batches) for batches in ranks] == [1, 1]  # half the pass each, not 2 batches a rank
+    assert torch.equal(torch.cat(ranks[0] + ranks[1]), torch.cat(alone))
+    for a, b in zip(ranks[0], blocks(0, 2), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_model_vocabulary_smaller_than_the_configured_tokenizers_is_refused_before_the_build(tmp_path, built):

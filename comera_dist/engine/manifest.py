@@ -6,8 +6,9 @@ The ``COMPLETE`` marker of a checkpoint holds the manifest (JSON)::
      "files": {"mp_rank_00_model_states.pt": {"size": 12345, "digest": "ab12..."}, ...}}
 
 It is written last, so a marker means the checkpoint is whole, and its digests mean each
-byte can be checked before anything unpickles it. A marker that is not JSON is a checkpoint
-written before the manifest existed: it loads, but cannot be verified (``LEGACY``).
+byte can be checked before anything unpickles it. A marker that holds only the tag is a checkpoint
+written before the manifest existed: it loads, but cannot be verified (``LEGACY``); any other marker that
+is not JSON (a crash's zero-length file) is damaged.
 
 Digest: xxh3-128 (``xxhash``, which ``datasets`` already requires), 4.4 GB/s on this CI's CPU
 against 0.3 GB/s for sha256 (64 MiB buffer, one core): a checkpoint is hashed twice per save
@@ -83,11 +84,16 @@ def read(ckpt_dir: Path) -> dict[str, Any] | str:
     """The manifest of ``ckpt_dir`` as a dict, or ``LEGACY`` for a pre-manifest marker.
 
     Raises ``FileNotFoundError`` without a marker and ``ValueError`` for a damaged one (a marker
-    that parses as JSON but lacks the fields, or starts like JSON and does not parse).
+    that parses as JSON but lacks the fields, starts like JSON and does not parse, or is neither JSON
+    nor the directory's tag: empty, say).
     """
-    text = (Path(ckpt_dir) / MARKER).read_text(encoding="utf-8", errors="replace")
-    if not text.lstrip().startswith("{"):
-        return LEGACY  # "<tag>\n": written before the manifest
+    marker = Path(ckpt_dir) / MARKER
+    text = marker.read_text(encoding="utf-8", errors="replace")
+    if text.strip() and Path(ckpt_dir).name.endswith(text.strip()):
+        return LEGACY  # "<tag>\n": written before the manifest (the directory may be a re-save's ".tmp-replaced-<tag>")
+    if not text.lstrip().startswith("{"):  # empty (a crash's zero-length file) or another's bytes
+        raise ValueError(f"{marker}: damaged manifest ({len(text.encode())} bytes, neither JSON nor the "
+                         f"pre-manifest marker {Path(ckpt_dir).name!r})")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -55,6 +55,9 @@ def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, capl
     path = _checkpoint(tmp_path, 2, {"a.pt": b"abc"})
     (path / manifest.MARKER).write_text(f"{path.name}\n")  # the pre-manifest marker
     assert manifest.read(path) == manifest.LEGACY
+    aside = path.rename(path.with_name(f".tmp-replaced-{path.name}"))  # a re-save's copy of it, kept until verified
+    assert manifest.read(aside) == manifest.LEGACY
+    aside.rename(path)
     with caplog.at_level("WARNING"):
         assert ckpt.check(path) == []
     assert "written before checkpoint manifests" in caplog.text and "cannot be verified" in caplog.text
@@ -62,6 +65,11 @@ def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, capl
     assert ckpt.check(path) == [f"{path / ckpt.META}: missing"]
     (path / manifest.MARKER).write_text('{"format": 1, "files": {')
     assert "damaged manifest" in ckpt.check(path)[0]
+    for text in ("", "\n", "step00000001\n", "\x00" * 4096):  # a crash's zero-length or zeroed file, another tag
+        (path / manifest.MARKER).write_text(text)
+        want = (f"{path / manifest.MARKER}: damaged manifest ({len(text.encode())} bytes, neither JSON nor the "
+                f"pre-manifest marker {path.name!r})")
+        assert ckpt.check(path) == [want], text
     (path / manifest.MARKER).unlink()
     assert ckpt.check(path) == [f"{path / manifest.MARKER}: missing (the save was interrupted before publication)"]
 

@@ -322,9 +322,15 @@ def choose(spec: str, root: Path) -> Path | None:
 
 
 def _log_incomplete(root: Path) -> None:
-    """Name each checkpoint directory under ``root`` that ``auto`` passes over for lacking its markers (rank 0)."""
+    """Name each checkpoint directory under ``root`` that ``auto`` passes over for lacking its markers, and a
+    ``latest`` that names no complete checkpoint (rank 0)."""
     if not root.is_dir() or dist.get_rank() != 0:
         return
+    pointer = root / LATEST
+    named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    if named is not None and not (_TAG.match(named) and is_complete(root / named)):
+        log.warning("resume auto: %s names %r, not a complete checkpoint there; trying the newest complete ones",
+                    pointer, named[:80])
     for path in sorted((p for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and not is_complete(p)),
                        key=step_of):
         missing = [name for name in (MARKER, META) if not (path / name).is_file()]

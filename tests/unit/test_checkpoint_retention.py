@@ -89,18 +89,21 @@ def test_retention_by_keep_alone(engine, tmp_path):
     assert ckpt.remove_old(tmp_path, keep=1) == [tmp_path / ckpt.tag_for(3)] and _steps(tmp_path) == [4]
 
 
-@pytest.mark.parametrize("named", ["incomplete", "missing"])
-def test_latest_naming_an_unusable_checkpoint_falls_back_to_the_newest_complete(engine, tmp_path, named):
+@pytest.mark.parametrize("named", ["incomplete", "missing", "garbage"])
+def test_latest_naming_an_unusable_checkpoint_falls_back_to_the_newest_complete(engine, tmp_path, named, caplog):
     for step in (100, 200):
         _save(engine, tmp_path, step)
     if named == "incomplete":  # a checkpoint directory without its manifest
         (tmp_path / ckpt.tag_for(300)).mkdir()
         (tmp_path / ckpt.tag_for(300) / MODEL).write_bytes(b"half")
-    (tmp_path / ckpt.LATEST).write_text(ckpt.tag_for(300))
+    pointed = "\x00\x00garbage" if named == "garbage" else ckpt.tag_for(300)
+    (tmp_path / ckpt.LATEST).write_text(pointed)
     newest = tmp_path / ckpt.tag_for(200)
     assert ckpt.candidates_auto(tmp_path) == [newest, tmp_path / ckpt.tag_for(100)]
     assert ckpt.latest_complete(tmp_path) == newest and ckpt.resolve("auto", tmp_path) == newest
-    assert ckpt.choose("auto", tmp_path) == newest
+    with caplog.at_level("WARNING", logger="comera_dist.engine.checkpoint"):
+        assert ckpt.choose("auto", tmp_path) == newest
+    assert f"{tmp_path / ckpt.LATEST} names {pointed!r}, not a complete checkpoint there" in caplog.text
 
 
 def test_resolve_and_choose_take_a_checkpoints_root_or_one_checkpoint(engine, tmp_path):

@@ -1,10 +1,11 @@
 """The data pipeline: corpus on ``datasets``, local tokenizer, packed blocks, collators, resumable loader."""
 
-from comera_dist.data.collators import IGNORE_INDEX, batch_seed, causal_collator, collator_for, mlm_collator
+from comera_dist.data.collators import IGNORE_INDEX, causal_collator, collator_for, mlm_collator
 from comera_dist.data.config import DataConfig, TokenizerConfig
 from comera_dist.data.corpus import build_corpus
 from comera_dist.data.errors import CacheError, DataError
 from comera_dist.data.loader import PackedLoader, eval_batches
+from comera_dist.data.noise import batch_seed
 from comera_dist.data.prepare import PreparedData, check_compat, evaluation_corpus, prepare_data
 from comera_dist.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 

@@ -14,7 +14,6 @@ memory-efficient kernels. A caller with real padding passes its own mask to the 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -29,13 +28,6 @@ IGNORE_INDEX = -100
 """Label of positions that carry no loss (the ``ignore_index`` of ``F.cross_entropy``)."""
 
 Collator = Callable[[Tensor, np.ndarray], dict[str, Tensor]]
-
-
-def batch_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit generator seed from (seed, step, rank), well mixed so nearby triples are unrelated
-    (``PackedLoader`` draws each epoch's order from ``batch_seed(seed, epoch, -1)``)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def mlm_collator(tokenizer: PreTrainedTokenizerBase, mlm_probability: float = 0.15) -> Collator:

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from comera_dist.data.collators import IGNORE_INDEX, Collator, batch_seed
+from comera_dist.data.collators import IGNORE_INDEX, Collator
 from comera_dist.data.errors import DataError
-from comera_dist.data.noise import EVAL_EPOCH, block_keys
+from comera_dist.data.noise import EVAL_EPOCH, batch_seed, block_keys
 
 
 def _one_intra_op_thread() -> None:

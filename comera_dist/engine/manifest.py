@@ -89,7 +89,8 @@ def read(ckpt_dir: Path) -> dict[str, Any] | str:
     """
     marker = Path(ckpt_dir) / MARKER
     text = marker.read_text(encoding="utf-8", errors="replace")
-    if text.strip() and Path(ckpt_dir).name.endswith(text.strip()):
+    tag, name = text.strip(), Path(ckpt_dir).name
+    if tag and (name == tag or name.endswith(f"-{tag}")):
         return LEGACY  # "<tag>\n": written before the manifest (the directory may be a re-save's ".tmp-replaced-<tag>")
     if not text.lstrip().startswith("{"):  # empty (a crash's zero-length file) or another's bytes
         raise ValueError(f"{marker}: damaged manifest ({len(text.encode())} bytes, neither JSON nor the "

@@ -65,7 +65,7 @@ def test_legacy_marker_passes_with_a_warning_damaged_marker_fails(tmp_path, capl
     assert ckpt.check(path) == [f"{path / ckpt.META}: missing"]
     (path / manifest.MARKER).write_text('{"format": 1, "files": {')
     assert "damaged manifest" in ckpt.check(path)[0]
-    for text in ("", "\n", "step00000001\n", "\x00" * 4096):  # a crash's zero-length or zeroed file, another tag
+    for text in ("", "\n", "step00000001\n", "00002\n", "\x00" * 4096):  # a crash's zero-length or zeroed file, another tag, a tail
         (path / manifest.MARKER).write_text(text)
         want = (f"{path / manifest.MARKER}: damaged manifest ({len(text.encode())} bytes, neither JSON nor the "
                 f"pre-manifest marker {path.name!r})")

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
                     help="a run directory (its latest complete checkpoint is used) or one checkpoint directory")
     ev.add_argument("--data", required=True, nargs="+", metavar="PATH",
-                    help="files or directories of .py/.txt/.json/.jsonl/.parquet text to evaluate on")
+                    help="files or directories of .py/.txt/.md/.rst/.json/.jsonl/.parquet text to evaluate on")
     ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per batch (default 8)")
     ev.add_argument("--max-batches", type=int, default=None, metavar="N",
                     help="stop after N batches (default: the whole corpus)")

@@ -87,11 +87,17 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), *, world_si
 
 
 def check_world_size(cfg: RunConfig, world_size: int) -> None:
-    """``micro x accumulation x world == global``, as a ``ConfigError`` naming the keys."""
+    """``micro x accumulation x world == global``, and a validation pass of at least one block per rank, as a
+    ``ConfigError`` naming the keys."""
     try:
-        solve_batch_sizes(cfg.deepspeed, world_size)
+        sizes = solve_batch_sizes(cfg.deepspeed, world_size)
     except ValueError as e:
         raise ConfigError(f"{e} (world size {world_size})") from e
+    blocks = cfg.train.eval_batches * sizes.micro_batch
+    if blocks < world_size:  # each rank's shard of the shared pass would be empty
+        raise ConfigError(f"train.eval_batches={cfg.train.eval_batches} x micro_batch_size_per_gpu={sizes.micro_batch} = "
+                          f"{blocks} validation blocks, fewer than the world size {world_size}: the pass is shared "
+                          f"among the ranks, so set train.eval_batches >= {-(-world_size // sizes.micro_batch)}")
 
 
 def check_cross_sections(cfg: RunConfig) -> None:

@@ -36,7 +36,7 @@
 # Each step is bounded by `timeout` and by what is left of the budget; a failed step does not stop the others.
 # Exit 0 only if every step passed.
 set -euo pipefail
-usage() { sed -n '2,30p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 DRY_RUN=0
 while [ $# -gt 0 ]; do   # the options, then OUTDIR: a mistyped option must not become the output folder
   case "$1" in

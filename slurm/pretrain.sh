@@ -28,11 +28,11 @@
 set -euo pipefail
 
 DRY_RUN=${COMERA_DRY_RUN:-0}
-case "${1:-}" in -h|--help) sed -n '2,15p' "$0"; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,/^#SBATCH/{/^#SBATCH/d;p}' "$0"; exit 0 ;; esac
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 case "${1:-}" in
-  "") sed -n '3,9p' "$0" >&2; exit 2 ;;
-  -*) echo "pretrain.sh: unknown option '$1' (CONFIG first, then --set key=value ...)" >&2; sed -n '3,9p' "$0" >&2; exit 2 ;;
+  "") sed -n '3,10p' "$0" >&2; exit 2 ;;
+  -*) echo "pretrain.sh: unknown option '$1' (CONFIG first, then --set key=value ...)" >&2; sed -n '3,10p' "$0" >&2; exit 2 ;;
 esac
 CONFIG=$1; shift
 

@@ -20,10 +20,12 @@ class TrainConfig:
     steps: int = 100
     """Optimizer steps to train in total (>= 1)."""
     eval_every: int = 0
-    """Optimizer steps between validation passes; 0 evaluates only at the end (>= 0)."""
+    """Optimizer steps between validation passes; 0 evaluates only at step 0 of a fresh run and at the end (>= 0)."""
     eval_batches: int = 8
     """Size of each validation pass, in micro-batches: the first ``eval_batches * micro_batch_size_per_gpu``
-    validation blocks, shared among the ranks, so the validation loss does not depend on the world size (>= 1)."""
+    validation blocks, shared among the ranks, so the validation loss does not depend on the world size (>= 1;
+    at least one block per rank). Set ``micro_batch_size_per_gpu`` for that: one derived from
+    ``train_batch_size`` shrinks as the world grows, and the pass with it."""
     checkpoint_every: int = 0
     """Optimizer steps between checkpoints; 0 checkpoints only at the end (>= 0)."""
     keep_checkpoints: int = 2
@@ -39,8 +41,9 @@ class TrainConfig:
     """Seed of torch, python and numpy RNGs (the same on every rank; data sharding uses the rank)."""
     resume: str = "auto"
     """``auto``: the newest checkpoint under the output dir that verifies against its manifest, if any
-    (corrupt ones are skipped and logged); ``none``: start fresh; anything else: the path of one
-    checkpoint directory (a published tag), which must verify. Any world size or ZeRO stage."""
+    (corrupt ones are skipped and logged); ``none``: start fresh; anything else: a path, either one checkpoint
+    directory (a published tag), which must verify, or a run directory or its ``checkpoints/``, whose newest
+    checkpoint that verifies is taken. Any world size or ZeRO stage."""
     max_nonfinite_steps: int = 3
     """K: the run stops (with a checkpoint of the last good state) after K consecutive steps whose
     global loss is not finite; each such step is skipped and counted (>= 1)."""
@@ -62,8 +65,8 @@ class TrainConfig:
     """Also ``torch.compile`` DeepSpeed's ZeRO 1-2 optimizer step (gradient norms, inf/NaN checks, unscale and
     clip, AdamW, the copy back), which runs eagerly outside the compiled model: about 170 host ops per step
     on the six-encoder MLM in bf16 become 9 compiled graphs, split at its host reads. The same
-    updates (bit-identical with ``aot_eager``). Needs ``compile``; re-compiled after a prune. Not yet timed
-    on a GPU, hence off by default."""
+    updates (bit-identical with ``aot_eager``). Needs ``compile``; re-compiled after a prune. Off by default:
+    on an H200 it gained no clear speed (``trainer-rate-graphs-opt-cuda-h200`` in ``docs/benchmarks.md``)."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("eval_every", 0), ("eval_batches", 1), ("checkpoint_every", 0),
@@ -146,7 +149,8 @@ class DeepSpeedSection:
     step at ZeRO 1 on one CPU rank goes from 7,598 to 6,447 aten ops (the per-tensor copy and bucket
     work), which matters on a launch-bound GPU; CoMERA's tensors are small, so fragmentation is not
     the concern it is for dense models. Training is the same either way (tested on 2 ranks at ZeRO 1
-    and 2). Not timed on a GPU yet. Only ZeRO 1-2 (``zero_stage`` 1 or 2) take ``false``."""
+    and 2). On an H200, with ``bf16_overflow_check=false``, no faster trainer step
+    (``trainer-rate-lean-cuda-h200``). Only ZeRO 1-2 (``zero_stage`` 1 or 2) take ``false``."""
     pack_vectors: bool = True
     """ZeRO 0-2: train the model's 1-D and 2-D parameters as one flat parameter per AdamW group
     (``engine.packing``): every layer's flat ``core``, every layer's ``gate``, and the dense role's (the TT

@@ -17,7 +17,7 @@ class ModelConfig:
     ``six_encoder_cls``: the paper's post-LN encoder classifier (pooler + linear head);
     ``gpt``: pre-LN GPT-like causal decoder with an LM head."""
     vocab_size: int = 30522
-    """Rows of the word-embedding table (must equal the tokenizer's vocabulary size)."""
+    """Rows of the word-embedding table (at least the tokenizer's vocabulary size; extra rows go unused)."""
     hidden_size: int = 768
     """Model width ``d`` (divisible by ``num_heads``)."""
     num_layers: int = 6

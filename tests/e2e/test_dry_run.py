@@ -108,6 +108,11 @@ def test_help_explains_every_option(args, capsys):
      "comera.tensorize.modes.attention"),
     (["--config", "configs/tiny-cpu.yaml", "--world-size", "3", "--set", "deepspeed.train_batch_size=8"],
      "train_batch_size"),
+    # the validation pass is shared among the ranks: one block per rank at least, or a rank's shard is empty
+    (["--config", "configs/tiny-cpu.yaml", "--world-size", "2", "--set", "train.eval_batches=1",
+      "--set", "deepspeed.micro_batch_size_per_gpu=1", "--set", "deepspeed.gradient_accumulation_steps=1",
+      "--set", "deepspeed.train_batch_size=null"],
+     "train.eval_batches=1 x micro_batch_size_per_gpu=1 = 1 validation blocks, fewer than the world size 2"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "model.recompute_factors=true"],
      "model.recompute_factors needs model.activation_checkpointing: true"),
 ])

@@ -135,6 +135,12 @@ def test_help_prints_the_usage_and_does_nothing(script, flag, tmp_path):
     p = box.run(script, flag)
     assert p.returncode == 0, p.stderr
     assert re.search(r"^# usage\b", p.stdout, re.MULTILINE), p.stdout  # the header's usage line, on stdout
+    header = []  # the comment block under the shebang, sbatch's directives aside: a usage cut short loses its end
+    for line in (REPO / script).read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        header += [] if line.startswith("#SBATCH") else [line]
+    assert [line for line in header if line not in p.stdout.splitlines()] == [], p.stdout
     assert box.started() == "", box.started()
     assert box.made() == set()
 

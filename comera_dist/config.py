@@ -209,9 +209,15 @@ def check_local_inputs(cfg: RunConfig) -> tuple[Path, dict[str, Any]] | None:
     resume, restarts = cfg.train.resume, slurm_restarts()
     # A requeued Slurm job (slurm/pretrain.sh checks at every start) resumes its own newest checkpoint instead
     # (checkpoint.requeued_spec), and its retention may have deleted the one named here by then.
-    if resume not in ("auto", "none") and not restarts and not Path(resume).exists():
-        raise ConfigError(f"train.resume={resume}: no such checkpoint or run directory (auto, none or a path)")
+    if not restarts:
+        check_resume_path(resume)
     return _resume_target(cfg, restarts)
+
+
+def check_resume_path(resume: str) -> None:
+    """A ``train.resume`` path (not ``auto`` or ``none``) must exist: a run checks it before its data build."""
+    if resume not in ("auto", "none") and not Path(resume).exists():
+        raise ConfigError(f"train.resume={resume}: no such checkpoint or run directory (auto, none or a path)")
 
 
 def _resume_target(cfg: RunConfig, restarts: int) -> tuple[Path, dict[str, Any]] | None:

@@ -31,7 +31,14 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 from comera_dist.compression.controller import InputEmbeddingDead, RanksCollapsed
-from comera_dist.config import RunConfig, check_pretrainable, check_world_size, run_warnings, slurm_restarts
+from comera_dist.config import (
+    RunConfig,
+    check_pretrainable,
+    check_resume_path,
+    check_world_size,
+    run_warnings,
+    slurm_restarts,
+)
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
@@ -286,6 +293,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
             log.warning(line)
     check_device(accelerator_device())  # COMERA_KERNELS=triton where its kernels cannot run
     resume = _requeued(cfg, resume, info.rank)
+    check_resume_path(resume)  # a mistyped path fails now, not after a data build of hours
     # rank 0 builds corpus + tokenizer (or keeps a resumed run's), the others wait; checks compat
     data = build_run_data(cfg, info, tokenizer_dir=resume_tokenizer_dir(Path(cfg.train.output_dir), resume))
     session = TrainSession.create(cfg, _model_factory(cfg), world_size=info.world_size)

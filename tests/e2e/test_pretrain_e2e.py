@@ -451,6 +451,11 @@ def test_bad_data_input_exit_2_nothing_written(tmp_path):
     assert len(damaged) == 1, sorted(p.name for p in cache.iterdir())
     damaged[0].write_text("{not json")
     _one_line_exit_2(comera(*base, "--set", f"data.cache_dir={cache}"), "unreadable cache entry")
+    # A mistyped --resume path: refused before the data build (a large corpus's takes hours), its cache not made.
+    fresh = tmp_path / "fresh-cache"
+    _one_line_exit_2(comera(*base, "--set", f"data.cache_dir={fresh}", "--resume", str(tmp_path / "no-such-ckpt")),
+                     "no such checkpoint or run directory")
+    assert not fresh.exists()
     assert not out.exists()
 
 

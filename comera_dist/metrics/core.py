@@ -163,6 +163,9 @@ class Metrics:
         if saved["step"] < step:
             log.warning("metrics: the history in %s ends at step %d, the resumed checkpoint is step %d: the report "
                         "misses the steps between", path, saved["step"], step)
+        done = [when for _, ok, when in self.history.checkpoints if ok]
+        if self.exporter and done:  # the checkpoint-age alert and panel see the resumed one until this job saves
+            self.exporter.set_checkpoint_time(max(done))
 
     def wait_for_first_scrape(self) -> bool:
         """Rank 0: wait up to ``first_scrape_timeout_s`` for a scrape of the values logged so far.

@@ -172,8 +172,12 @@ class PrometheusExporter:
         self._checkpoints.labels(outcome="success" if ok else "failure").inc()
         self._gauges.last_update = time.monotonic()  # a counter moved: the final scrape must see it
         if ok:
-            self._gauges.set("comera_checkpoint_last_success_timestamp_seconds",
-                             "Unix time of the last complete checkpoint.", now)
+            self.set_checkpoint_time(now)
+
+    def set_checkpoint_time(self, when: float) -> None:
+        """The last complete checkpoint's Unix time (also a resumed job's, from its history, before it saves)."""
+        self._gauges.set("comera_checkpoint_last_success_timestamp_seconds",
+                         "Unix time of the last complete checkpoint.", when)
 
     def wait_for_scrape(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) for a scrape that reads the latest values; return whether one did."""
@@ -183,7 +187,7 @@ class PrometheusExporter:
         return self._gauges.last_scrape > self._gauges.last_update
 
     def close(self, final_scrape_timeout_s: float = 0.0) -> bool:
-        """Stop serving and withdraw the target from the discovery file.
+        """Stop serving and withdraw the target from the discovery file, if the file still names it.
 
         With ``final_scrape_timeout_s`` > 0, first wait (at most that long) for a scrape that
         reads the latest values. Returns whether such a scrape happened.
@@ -194,8 +198,22 @@ class PrometheusExporter:
                         final_scrape_timeout_s)
         self._server.shutdown()
         self._server.server_close()
-        self._write_sd([])
+        self._withdraw()
         return scraped
+
+    def _withdraw(self) -> None:
+        """Empty the discovery file unless another job has written its own target there since (two runs given
+        one ``metrics.sd_file``): emptying it would leave that live job unscraped."""
+        try:
+            groups = json.loads(self.sd_file.read_text())
+        except (OSError, ValueError):
+            groups = None  # gone or damaged: nothing of another job's to keep
+        if isinstance(groups, list) and groups and not any(
+                isinstance(g, dict) and self.endpoint in g.get("targets", []) for g in groups):
+            log.warning("metrics: %s now names another job's target (%s), left in place; give each run its own "
+                        "metrics.sd_file", self.sd_file, groups)
+            return
+        self._write_sd([])
 
     def _write_sd(self, groups: list[dict]) -> None:
         # atomic replace: Prometheus re-reads the file on change and must never see half of it

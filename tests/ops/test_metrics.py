@@ -84,7 +84,7 @@ def test_exporter_serves_standard_keys_in_base_units(metrics, tmp_path):
     assert ("comera_checkpoint_last_success_timestamp_seconds", ()) not in got
     assert ("comera_tt_rank_series_dropped", ()) not in got  # no ranks logged: no rank series, not a 0
     info = next(labels for name, labels in got if name == "comera_build_info")
-    assert dict(info)["torch"] == torch.__version__ and dict(info)["deepspeed"]
+    assert dict(info)["torch"] == torch.__version__ and dict(info)["deepspeed"] not in ("", "absent")
 
 
 def test_counters_move_by_increments(metrics):
@@ -123,6 +123,41 @@ def test_sd_file_names_endpoint_then_withdraws(tmp_path, monkeypatch):
     with pytest.raises(urllib.error.URLError) as gone:  # refused: nothing listens (not a hang, not an HTTP error)
         urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=2)
     assert isinstance(gone.value.reason, ConnectionRefusedError), gone.value
+
+
+def test_a_job_leaving_a_shared_sd_file_keeps_the_live_jobs_target(tmp_path):
+    """Two runs given one ``metrics.sd_file``: the later one's target replaces the first's, and the first one's
+    exit must not withdraw it (the live job would go unscraped, and no alert fire for it)."""
+    sd = tmp_path / "targets" / "shared.json"
+    cfg = MetricsConfig(progress=False, report=False, sd_file=str(sd))
+    a = build_metrics(cfg, rank=0, local_rank=0, world_size=1, total_steps=1, output_dir=tmp_path / "a", run_name="a")
+    b = build_metrics(cfg, rank=0, local_rank=0, world_size=1, total_steps=1, output_dir=tmp_path / "b", run_name="b")
+    a.close()
+    assert json.loads(sd.read_text()) == [{"targets": [b.endpoint], "labels": {"run": "b"}}]
+    b.close()
+    assert json.loads(sd.read_text()) == []
+
+
+def test_a_resumed_job_serves_its_checkpoints_time_before_it_saves(tmp_path):
+    """``ComeraCheckpointTooOld`` reads the last checkpoint's time: a resumed job serves the one it resumed
+    (from the history inside it) from its first scrape, not only after its own first save (never, if all fail)."""
+    cfg = MetricsConfig(progress=False, report=False)
+    first = build_metrics(cfg, rank=0, local_rank=0, world_size=1, total_steps=4, output_dir=tmp_path, run_name="r")
+    first.log({"train_loss": 1.0}, 2)
+    first.checkpoint_saved(True, 2)
+    (tmp_path / "step2").mkdir()
+    for name, text in first.history_files(2).items():
+        (tmp_path / "step2" / name).write_text(text)
+    saved_at = first.history.checkpoints[-1][2]
+    first.close()
+    resumed = build_metrics(cfg, rank=0, local_rank=0, world_size=1, total_steps=4, output_dir=tmp_path, run_name="r")
+    try:
+        resumed.restore_history(2, tmp_path / "step2")
+        want = max(when for _, ok, when in resumed.history.checkpoints if ok)  # the step-2 record inside it
+        assert abs(want - saved_at) < 60
+        assert _scrape(resumed)[("comera_checkpoint_last_success_timestamp_seconds", ())] == want
+    finally:
+        resumed.close()
 
 
 def test_busy_port_is_a_clear_error(metrics, tmp_path):

@@ -74,7 +74,7 @@ fi
 # nodes share one host and their names do not resolve, so never use the bare node name).
 NNODES=${SLURM_JOB_NUM_NODES:-1}
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-  HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads to the end: head would SIGPIPE scontrol past 4 KiB, and pipefail end the job
   HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 else
   HEAD_NODE=localhost HEAD_ADDR=127.0.0.1   # --dry-run outside an allocation

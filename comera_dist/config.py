@@ -97,7 +97,7 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
     if blocks < world_size:  # each rank's shard of the shared pass would be empty
         raise ConfigError(f"train.eval_batches={cfg.train.eval_batches} x micro_batch_size_per_gpu={sizes.micro_batch} = "
                           f"{blocks} validation blocks, fewer than the world size {world_size}: the pass is shared "
-                          f"among the ranks, so set train.eval_batches >= {-(-world_size // sizes.micro_batch)}")
+                          f"among the ranks, so set train.eval_batches >= {math.ceil(world_size / sizes.micro_batch)}")
 
 
 def check_cross_sections(cfg: RunConfig) -> None:

@@ -28,11 +28,12 @@
 set -euo pipefail
 
 DRY_RUN=${COMERA_DRY_RUN:-0}
+usage() { sed -n '/^# usage/,/^# exit:/{/^# exit:/d;p}' "$0" >&2; }   # the header's usage and env lines
 case "${1:-}" in -h|--help) sed -n '2,/^#SBATCH/{/^#SBATCH/d;p}' "$0"; exit 0 ;; esac
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 case "${1:-}" in
-  "") sed -n '3,10p' "$0" >&2; exit 2 ;;
-  -*) echo "pretrain.sh: unknown option '$1' (CONFIG first, then --set key=value ...)" >&2; sed -n '3,10p' "$0" >&2; exit 2 ;;
+  "") usage; exit 2 ;;
+  -*) echo "pretrain.sh: unknown option '$1' (CONFIG first, then --set key=value ...)" >&2; usage; exit 2 ;;
 esac
 CONFIG=$1; shift
 
@@ -74,7 +75,7 @@ fi
 # nodes share one host and their names do not resolve, so never use the bare node name).
 NNODES=${SLURM_JOB_NUM_NODES:-1}
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-  HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads to the end: head would SIGPIPE scontrol past 4 KiB, and pipefail end the job
+  HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # not head: its SIGPIPE + pipefail end big jobs
   HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 else
   HEAD_NODE=localhost HEAD_ADDR=127.0.0.1   # --dry-run outside an allocation

@@ -3,17 +3,25 @@
 # usage: launch/torchrun.sh [--dry-run] --config CONFIG [trainer options...]
 #   --dry-run   check the run (comera pretrain --dry-run at NNODES x NPROC ranks), print the torchrun command, exit
 # env:   NPROC (processes per node, default: the node's GPUs, or 2 on CPU), NNODES (default 1), NODE_RANK
-#        (default 0), MASTER_ADDR (default 127.0.0.1), MASTER_PORT (default 29500),
+#        (default 0), MASTER_ADDR (node rank 0's address, required when NNODES > 1; default 127.0.0.1),
+#        MASTER_PORT (default 29500),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
 #        TORCHRUN (default "python3 launch/torchrun.py": torchrun, exiting with the failed rank's own status)
 # The trainer's options: comera pretrain --help.
 set -euo pipefail
-usage() { sed -n '2,9p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+usage() { sed -n '2,10p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 # --help first: otherwise torchrun would start NPROC trainers that each print their own help
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 [ $# -gt 0 ] || { usage >&2; exit 2; }
+# Several nodes meet at node rank 0's address. A loopback default would send every other node to its own
+# loopback, where each waits out torchrun's rendezvous timeout (600 s) alone.
+if [ "${NNODES:-1}" != 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  echo "torchrun.sh: NNODES=$NNODES spans nodes but MASTER_ADDR is not set; export MASTER_ADDR=<address of node" \
+       "rank 0>, the same on every node" >&2
+  exit 2
+fi
 cd "$(dirname "$0")/.."
 [ -d .venv ] && export PATH="$PWD/.venv/bin:$PATH"
 

@@ -7,7 +7,8 @@
 #               print the resolved launch command and exit
 # env: COMERA_HOME (repository; default the submit directory), COMERA_DEVICE (gpu | cpu, default gpu),
 #      COMERA_NPROC_PER_NODE (default: GPUs on the node, or 2 on cpu), COMERA_RDZV_PORT (default 20000 +
-#      job id mod 20000), COMERA_TRAIN_SCRIPT (default launch/train.py), COMERA_DRY_RUN=1 (= --dry-run)
+#      job id mod 12000, below the ephemeral ports), COMERA_TRAIN_SCRIPT (default launch/train.py),
+#      COMERA_DRY_RUN=1 (= --dry-run)
 # exit: 2 a bad argument or a config the trainer refuses, 1 a python on PATH (.venv's when there is one) without
 #       torch or comera_dist (./launch/setup.sh sets up .venv), both before anything starts; else the job's status.
 # Preemption / time limit: Slurm sends USR1 to this script 120 s early (--signal=B:USR1@120); it
@@ -81,7 +82,8 @@ else
   HEAD_NODE=localhost HEAD_ADDR=127.0.0.1   # --dry-run outside an allocation
 fi
 JOB_ID=${SLURM_JOB_ID:-0}
-RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 20000))}
+# below 32768, where Linux's ephemeral ports start: no outgoing connection on the head node can hold it
+RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 12000))}
 
 # The trainer's own check of the config and its batch arithmetic at this job's world size, before any node
 # starts: a mistyped key or a world size the batch does not divide would otherwise stop every rank, once per

@@ -3,7 +3,8 @@
 Every entry point calls ``init_distributed`` once before any DeepSpeed object is built. It
 works under the ``deepspeed`` launcher and ``torchrun`` (``RANK``/``WORLD_SIZE`` already set),
 under ``mpirun`` (OpenMPI's ``OMPI_COMM_WORLD_*`` variables, else DeepSpeed's mpi4py
-discovery), and as a plain single process.
+discovery), in a Slurm job step (``srun``, ``deepspeed --launcher slurm``: ``engine.slurm_ranks``),
+and as a plain single process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.ports import LOOPBACK, free_port
+from comera_dist.engine.slurm_ranks import fill_from_slurm, in_slurm_step
 
 DEFAULT_PORT = 29500
 
@@ -33,7 +35,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     source: str
-    """How the ranks were discovered: ``env``, ``openmpi``, ``mpi4py`` or ``single``."""
+    """How the ranks were discovered: ``env``, ``openmpi``, ``slurm``, ``mpi4py`` or ``single``."""
 
 
 def disable_shm_op() -> None:
@@ -98,6 +100,9 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
         env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")
         one_host = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == env["WORLD_SIZE"]
         source = "openmpi"
+    elif in_slurm_step(env):
+        fill_from_slurm(env)
+        return "slurm"
     elif "PMI_RANK" in env or "PMIX_RANK" in env:
         # Another MPI: DeepSpeed's mpi4py discovery maps it (MASTER_ADDR from `hostname -I`).
         user_addr = env.get("MASTER_ADDR")
@@ -124,6 +129,21 @@ def discover_ranks(env: dict[str, str] | None = None) -> str:
     return source
 
 
+def device_index(local_rank: int, count: int, source: str, kind: str = "cuda") -> int:
+    """The device this rank selects among the ``count`` it sees: its local rank, or 0 for a Slurm task that sees one.
+
+    srun's per-task binding (``--gpus-per-task=1``, ``--gpu-bind=single:1``) leaves each task exactly one visible
+    device, its own, whatever its ``SLURM_LOCALID``. Two tasks that were given the same device are NCCL's to
+    refuse ("Duplicate GPU detected"). Any other local rank past the devices is too many processes per node.
+    """
+    if local_rank < count:
+        return local_rank
+    if source == "slurm" and count == 1:
+        return 0
+    raise RuntimeError(f"local rank {local_rank} has no {kind} device: this node shows {count}; start at most that "
+                       "many processes per node (or DS_ACCELERATOR=cpu for a CPU run)")
+
+
 def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     """Discover the ranks and start the process group once, on DeepSpeed's accelerator.
 
@@ -145,11 +165,8 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     accelerator = get_accelerator()
     local_rank = int(os.environ["LOCAL_RANK"])
     if accelerator.device_name() != "cpu":
-        if local_rank >= accelerator.device_count():
-            raise RuntimeError(f"local rank {local_rank} has no {accelerator.device_name()} device: this node "
-                               f"shows {accelerator.device_count()}; start at most that many processes per node "
-                               "(or DS_ACCELERATOR=cpu for a CPU run)")
-        accelerator.set_device(local_rank)
+        accelerator.set_device(device_index(local_rank, accelerator.device_count(), source,
+                                            accelerator.device_name()))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))

@@ -57,6 +57,25 @@ def test_launch_scripts_dry_run_print_the_command():
         assert p.returncode == 2 and "usage:" in p.stderr
 
 
+@pytest.mark.parametrize("dry", [["--dry-run"], []])
+def test_torchrun_on_several_nodes_needs_master_addr(dry, tmp_path):
+    """Before, NNODES=2 without MASTER_ADDR met on 127.0.0.1: node 1 waited out torchrun's 600 s rendezvous alone."""
+    calls = tmp_path / "calls"
+    stub = tmp_path / "torchrun"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    stub.chmod(0o755)
+    env = _env(NNODES="2", NODE_RANK="1", TORCHRUN=str(stub))
+    p = subprocess.run(["launch/torchrun.sh", *dry, "--config", TINY], cwd=REPO, env=env, capture_output=True,
+                       text=True, check=False)
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    assert p.stderr == ("torchrun.sh: NNODES=2 spans nodes but MASTER_ADDR is not set; export MASTER_ADDR=<address "
+                        "of node rank 0>, the same on every node\n")
+    assert not calls.exists()  # nothing started
+    one_node = subprocess.run(["launch/torchrun.sh", "--dry-run", "--config", TINY], cwd=REPO,
+                              env=env | {"NNODES": "1"}, capture_output=True, text=True, check=False)
+    assert one_node.returncode == 0 and "--master-addr 127.0.0.1" in one_node.stdout, one_node.stderr
+
+
 @pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/mpirun.sh"])
 def test_launchers_dry_run_is_the_trainers_check_of_the_run(script, tmp_path):
     """Their dry run printed a command for any config; the trainer checks it at the launch's world size first

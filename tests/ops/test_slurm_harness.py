@@ -53,6 +53,17 @@ def test_dry_run_prints_resolved_launch(slurm_1node):
     assert "launch/train.py --config configs/tiny-cpu.yaml --resume auto --set train.steps=1" in r.stdout
 
 
+@pytest.mark.parametrize(("job_id", "port"), [("19999", 27999), ("12345", 20345)])
+def test_the_rendezvous_port_is_below_the_ephemeral_range(slurm_1node, job_id, port):
+    """Job 19999 met on 39999 before: in Linux's ephemeral range (32768-60999), where an outgoing connection on the
+    head node can hold it."""
+    r = subprocess.run([REPO / "slurm/pretrain.sh", "--dry-run", "configs/tiny-cpu.yaml"], cwd=REPO,
+                       env=slurm_1node.env | {"COMERA_DEVICE": "cpu", "SLURM_JOB_ID": job_id}, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-id comera-{job_id}" in r.stdout
+
+
 @pytest.mark.parametrize(("args", "env", "needle"), [
     (["configs/tiny-cpu.yaml", "--set", "train.stepz=5"], {"SLURM_JOB_NUM_NODES": "1"}, "did you mean 'steps'"),
     (["configs/codebert.yaml"], {"SLURM_JOB_NUM_NODES": "3", "COMERA_NPROC_PER_NODE": "8"}, "train_batch_size"),

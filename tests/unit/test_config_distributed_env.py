@@ -7,9 +7,16 @@ import socket
 
 import pytest
 
-from comera_dist.engine.distributed import DEFAULT_PORT, LOOPBACK, discover_ranks, init_distributed
+from comera_dist.engine.distributed import (
+    DEFAULT_PORT,
+    LOOPBACK,
+    device_index,
+    discover_ranks,
+    init_distributed,
+)
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.ports import ephemeral_low
+from comera_dist.engine.slurm_ranks import step_port
 
 
 def test_launcher_env_is_kept():
@@ -67,3 +74,52 @@ def test_single_process_keeps_a_given_master_addr_and_port():
 def test_a_collective_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         init_distributed(0)
+
+
+def _srun_task(rank: int, world: int, local: int, nodes: int = 1, **extra: str) -> dict[str, str]:
+    """The variables srun gives task ``rank`` of a step (those of the real ``srun -N2 -n4`` on slurm/ci/up.sh)."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
+            "SLURM_STEP_NUM_TASKS": str(world), "SLURM_STEP_NUM_NODES": str(nodes),
+            "SLURM_STEP_NODELIST": "n[1-2]" if nodes > 1 else "n1", "SLURM_NTASKS": str(world), **extra}
+
+
+def test_a_slurm_step_task_takes_its_rank_from_slurm():
+    env = _srun_task(3, 4, 1)
+    assert discover_ranks(env) == "slurm"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("3", "4", "1", LOOPBACK)
+    port = int(env["MASTER_PORT"])
+    assert port == step_port("4242", "0") and 20000 <= port < ephemeral_low()
+    assert step_port("4242", "1") != port  # two steps of one job do not meet on one port
+
+
+def test_a_slurm_step_across_nodes_keeps_a_given_master_addr_and_port():
+    env = _srun_task(2, 4, 0, nodes=2, MASTER_ADDR="10.0.0.9", MASTER_PORT="1234")
+    assert discover_ranks(env) == "slurm"
+    assert (env["RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("2", "10.0.0.9", "1234")
+
+
+@pytest.mark.parametrize("env", [
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},  # the batch script: no step variables
+    _srun_task(0, 1, 0),                                                # srun -n 1
+])
+def test_a_batch_script_or_a_one_task_step_is_a_single_process(env):
+    assert discover_ranks(env) == "single" and env["WORLD_SIZE"] == "1"
+
+
+def test_torchrun_under_srun_keeps_torchruns_ranks():
+    """slurm/pretrain.sh: one srun task per node runs torchrun, whose processes carry both sets of variables."""
+    env = _srun_task(1, 2, 0, nodes=2, RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1")
+    assert discover_ranks(env) == "env" and (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
+
+
+def test_a_bad_slurm_rank_names_the_variables():
+    with pytest.raises(InputError, match="SLURM_PROCID='4', SLURM_LOCALID='0' and SLURM_STEP_NUM_TASKS='4'"):
+        discover_ranks(_srun_task(4, 4, 0))
+
+
+def test_device_index_is_the_local_rank_or_a_bound_slurm_tasks_only_device():
+    assert device_index(1, 8, "env") == 1
+    assert device_index(3, 1, "slurm") == 0  # srun --gpus-per-task=1: each task sees its own device only
+    for source, count in (("env", 1), ("slurm", 2), ("openmpi", 1)):
+        with pytest.raises(RuntimeError, match=f"local rank 3 has no cuda device: this node shows {count}"):
+            device_index(3, count, source)

@@ -314,6 +314,7 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
         metrics.restore_history(start, resumed_from)  # the report covers the whole run
     stop.watch(STOP_SIGNALS)  # SIGTERM too, now that there is a state worth saving
     status, step = EXIT_OK, start
+    failed = True  # until the loop ends with EXIT_OK: an exception on the way out is a failure too
     try:
         initial = _periodic_metrics(session, data)
         if start == 0:  # the starting point of the validation curve
@@ -372,12 +373,13 @@ def _train(cfg: RunConfig, resume: str, stop: StopRequest) -> int:
                 break
             if _due(step, cfg.train.checkpoint_every, cfg.train.steps):
                 _checkpoint(session, data, step, guard, metrics, reason="schedule")
+        failed = status != EXIT_OK
     except RanksCollapsed as e:  # on every rank at the same step: S and the ranks are global
         log.error("step %d: stopping without a checkpoint: %s. The latest checkpoint %s is kept", step, e,
                   latest_complete(session.checkpoint_root))
         status = EXIT_COLLAPSED
     finally:
-        metrics.close()  # the report; a stop signal meanwhile only sets the flag
+        metrics.close(failed=failed)  # the report; a stop signal meanwhile only sets the flag
         data.train.close()  # the prefetch thread, which an in-process caller (bench soak) would keep
     # Leave together: a launcher tears the whole job down as soon as one rank exits non-zero, which
     # would kill rank 0 in the middle of writing the report.

@@ -180,15 +180,23 @@ class Metrics:
                         "training anyway", self.cfg.first_scrape_timeout_s)
         return scraped
 
-    def close(self) -> None:
-        """Stop the progress bar and exporter; write the report (rank 0). Safe to call twice."""
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the progress bar and exporter; write the report (rank 0). Safe to call twice.
+
+        ``failed`` (a crash, a non-finite or collapsed stop): the exporter's target stays in ``metrics.sd_file``,
+        so Prometheus sees the run down and alerts, instead of the run leaving like a finished one.
+        """
         if self._closed:
             return
         self._closed = True
         if self.progress:
             self.progress.close()
         if self.exporter:
-            self.exporter.close(self.cfg.final_scrape_timeout_s)
+            self.exporter.close(self.cfg.final_scrape_timeout_s, withdraw=not failed)
+            if failed:
+                log.warning("metrics: the run failed; its target stays in %s, down, so that Prometheus alerts "
+                            "(ComeraTrainingStalled) until a new run of it replaces the target",
+                            self.exporter.sd_file)
         if self.active and self.cfg.report:
             path = write_report(self.history, self.output_dir, run_name=self.run_name,
                                 world_size=self.world_size, total_steps=self.total_steps)
@@ -197,8 +205,8 @@ class Metrics:
     def __enter__(self) -> Metrics:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _check_step(step: int) -> None:

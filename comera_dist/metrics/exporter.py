@@ -186,11 +186,13 @@ class PrometheusExporter:
             time.sleep(0.05)
         return self._gauges.last_scrape > self._gauges.last_update
 
-    def close(self, final_scrape_timeout_s: float = 0.0) -> bool:
+    def close(self, final_scrape_timeout_s: float = 0.0, *, withdraw: bool = True) -> bool:
         """Stop serving and withdraw the target from the discovery file, if the file still names it.
 
         With ``final_scrape_timeout_s`` > 0, first wait (at most that long) for a scrape that
-        reads the latest values. Returns whether such a scrape happened.
+        reads the latest values. Returns whether such a scrape happened. ``withdraw=False`` (a failed run)
+        leaves the target in the file: Prometheus then finds it down (``up == 0``), which is what
+        ``ComeraTrainingStalled`` alerts on. Withdrawn, a crashed run would vanish like a finished one.
         """
         scraped = self.wait_for_scrape(final_scrape_timeout_s)
         if final_scrape_timeout_s > 0 and not scraped:
@@ -198,7 +200,8 @@ class PrometheusExporter:
                         final_scrape_timeout_s)
         self._server.shutdown()
         self._server.server_close()
-        self._withdraw()
+        if withdraw:
+            self._withdraw()
         return scraped
 
     def _withdraw(self) -> None:

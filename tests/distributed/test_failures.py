@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -54,13 +55,17 @@ def test_nonfinite_steps_skipped_counted_then_stop(jobs, tmp_path, port):
     # Step 2 alone, then 4, 5, 6 in a row: K = 3 trips at step 6. Pruning off so that the
     # checkpoint at step 3 and the stop checkpoint at step 6 hold comparable tensors.
     env = job_env(port, COMERA_FAULT_NONFINITE_STEPS="2,4-6", COMERA_FAULT_RANKS="0")
+    sd = tmp_path / "targets.json"
     args = run_overrides(out, "train.steps=10", "train.checkpoint_every=3", "train.max_nonfinite_steps=3",
-                         "train.keep_checkpoints=5", "comera.pruning.every=0")
+                         "train.keep_checkpoints=5", "comera.pruning.every=0", "metrics.prometheus=true",
+                         f"metrics.sd_file={sd}")
     job = jobs("torchrun", args, env, tmp_path / "job.log")
     rc = job.wait(timeout=240)
     log = job.text()
     # Every rank exits 3; torchrun reports a failed job (exit 1) with the ranks' codes.
     assert rc == 3 and re.search(r"exitcode\s*:\s*3", log), f"expected ranks to exit 3 (rc {rc}):\n{log[-4000:]}"
+    # a failed run is not withdrawn like a finished one: its dead target stays for Prometheus to alert on
+    assert [g["labels"]["run"] for g in json.loads(sd.read_text())] == ["run"], sd.read_text()
     assert "step 2: non-finite loss or gradients, step skipped (1 in a row, 1 in total)" in log, log[-4000:]
     assert "step 6: non-finite loss or gradients, step skipped (3 in a row, 4 in total)" in log, log[-4000:]
     assert "stopping: 3 consecutive non-finite steps" in log
@@ -88,13 +93,16 @@ def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(job
     holds the dead model. Each case has one read: a logging step's without checkpoints, or with logs rarer than
     checkpoints the checkpoint's own check (one due at every step)."""
     out = tmp_path / "run"
+    sd = tmp_path / "targets.json"
     args = run_overrides(out, "train.steps=12", f"train.checkpoint_every={checkpoint_every}", f"train.log_every={log_every}",
                          "train.keep_checkpoints=20", "comera.controller.gamma=1000", "comera.lr.gates=0.5",
-                         "comera.controller.late_stage_step=10", "comera.pruning.every=0")
+                         "comera.controller.late_stage_step=10", "comera.pruning.every=0", "metrics.prometheus=true",
+                         f"metrics.sd_file={sd}")
     job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
     rc = job.wait(timeout=240)
     log = job.text()
     assert rc == 4 and re.search(r"exitcode\s*:\s*4", log), f"expected ranks to exit 4 (rc {rc}):\n{log[-4000:]}"
+    assert [g["labels"]["run"] for g in json.loads(sd.read_text())] == ["run"], sd.read_text()  # left down: alerts
     stopped = re.search(r"step (\d+): stopping without a checkpoint: every rank of every TT layer is dead", log)
     assert stopped, log[-4000:]
     step = int(stopped.group(1))
@@ -107,14 +115,17 @@ def test_every_rank_dead_stops_the_run_with_exit_4_before_a_checkpoint_of_it(job
 @pytest.mark.distributed
 def test_sigusr1_checkpoints_exits_zero_and_resumes(jobs, tmp_path, port):
     out = tmp_path / "run"
+    sd = tmp_path / "targets.json"
     args = run_overrides(out, "train.steps=200", "train.checkpoint_every=0", "train.log_every=1",
-                         "comera.pruning.every=0")
+                         "comera.pruning.every=0", "metrics.prometheus=true", f"metrics.sd_file={sd}")
     job = jobs("torchrun", args, job_env(port), tmp_path / "job.log")
     job.wait_for(r"step 3/200", timeout=180)
+    assert [g["labels"]["run"] for g in json.loads(sd.read_text())] == ["run"], sd.read_text()
     rank_processes(job)[1].send_signal(signal.SIGUSR1)  # one rank only: the others must agree
     rc = job.wait(timeout=90)
     log = job.text()
     assert rc == 0, log[-4000:]
+    assert json.loads(sd.read_text()) == []  # a clean stop (to be requeued) withdraws its target
     stopped = re.search(r"stop requested \((SIGUSR1|peer)\): checkpointing at step (\d+)", log)
     assert stopped, log[-4000:]
     step = int(stopped.group(2))

@@ -125,6 +125,24 @@ def test_sd_file_names_endpoint_then_withdraws(tmp_path, monkeypatch):
     assert isinstance(gone.value.reason, ConnectionRefusedError), gone.value
 
 
+@pytest.mark.parametrize("how", ["close", "exception"])
+def test_a_failed_run_leaves_its_target_down_for_the_alert(tmp_path, how):
+    """A crash or a failed stop (exit 3, 4) must not leave like a finished run: its target stays, nothing answers
+    there, and Prometheus's ``up == 0`` (``ComeraTrainingStalled``) fires. Withdrawn, no alert could fire."""
+    sd = tmp_path / "targets.json"
+    cfg = MetricsConfig(progress=False, report=False, sd_file=str(sd))
+    m = build_metrics(cfg, rank=0, local_rank=0, world_size=1, total_steps=1, output_dir=tmp_path, run_name="f")
+    if how == "close":
+        m.close(failed=True)
+    else:
+        with pytest.raises(RuntimeError, match="boom"), m:
+            raise RuntimeError("boom")
+    assert json.loads(sd.read_text()) == [{"targets": [m.endpoint], "labels": {"run": "f"}}]
+    with pytest.raises(urllib.error.URLError) as gone:
+        urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=2)
+    assert isinstance(gone.value.reason, ConnectionRefusedError), gone.value
+
+
 def test_a_job_leaving_a_shared_sd_file_keeps_the_live_jobs_target(tmp_path):
     """Two runs given one ``metrics.sd_file``: the later one's target replaces the first's, and the first one's
     exit must not withdraw it (the live job would go unscraped, and no alert fire for it)."""

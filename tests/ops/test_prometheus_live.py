@@ -176,3 +176,28 @@ def test_close_withdraws_target(live):
     else:
         raise AssertionError(f"target still active: {active}")
     assert (live["tmp"] / "run/report.md").exists()
+
+
+def test_a_failed_run_stays_a_down_target_and_its_stalled_alert_goes_pending(tmp_path):
+    """A run that fails (a crash, exit 3 or 4) keeps its target: the real Prometheus finds it down and
+    ``ComeraTrainingStalled`` goes pending at once (firing after its ``for: 5m``). A withdrawn target would drop
+    out of discovery, as ``test_close_withdraws_target`` shows for a clean exit, and no alert could fire."""
+    port = free_port_block(1)
+    sd_file = tmp_path / "targets.json"
+    promserver.up(tmp_path / "prom", port, sd_file)
+    try:
+        metrics = build_metrics(MetricsConfig(progress=False, report=False, sd_file=str(sd_file)), rank=0,
+                                local_rank=0, world_size=1, total_steps=10, output_dir=tmp_path / "run",
+                                run_name="crashed")
+        metrics.log({"train_loss": 1.0}, 1)
+        promserver.wait_for(port, 'comera_train_step{run="crashed"} >= 1', timeout=30)
+        metrics.close(failed=True)
+        promserver.wait_for(port, 'up{job="comera", run="crashed"} == 0', timeout=30)
+        # a withdrawn target is scraped (down) until discovery passes the change on, within 5 s: wait past it
+        time.sleep(8)
+        active = promserver._get(port, "/api/v1/targets", {"state": "active"})["activeTargets"]
+        assert [(t["labels"]["run"], t["health"]) for t in active if t["labels"]["job"] == "comera"] == [
+            ("crashed", "down")], active
+        assert promserver.query(port, 'ALERTS{alertname="ComeraTrainingStalled", run="crashed", alertstate="pending"}')
+    finally:
+        promserver.down(tmp_path / "prom")

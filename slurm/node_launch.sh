@@ -14,22 +14,26 @@ case "${1:-}" in
 esac
 # this node's address as Slurm knows it: emulated nodes share one host under unresolvable names
 if [ -n "${SLURMD_NODENAME:-}" ]; then
-  LOCAL_ADDR=$(scontrol show node "$SLURMD_NODENAME" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  LOCAL_ADDR=$(scontrol show node "$SLURMD_NODENAME" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2) || LOCAL_ADDR=""
+  if [ -z "$LOCAL_ADDR" ]; then
+    echo "node_launch.sh: no NodeAddr for this node from 'scontrol show node $SLURMD_NODENAME' (above)" >&2
+    exit 1
+  fi
 else
   LOCAL_ADDR=127.0.0.1
 fi
+. slurm/child_status.sh   # comera_start, comera_wait: torchrun's own status, whatever the traps do
 trap '' USR1
-python3 launch/torchrun.py --local-addr "$LOCAL_ADDR" "$@" &   # torchrun, exiting with the failed rank's status
-TORCHRUN_PID=$!
+# torchrun, exiting with the failed rank's status, under a keeper subshell that outlives the step's TERM
+comera_start TERM python3 launch/torchrun.py --local-addr "$LOCAL_ADDR" "$@"
 stop() {
-  echo "node_launch.sh[${SLURMD_NODENAME:-local}]: $1 -> USR1 to the trainers under torchrun $TORCHRUN_PID"
+  local torchrun
+  torchrun=$(pgrep -P "$COMERA_CHILD" | tr '\n' ' ' || true)
+  echo "node_launch.sh[${SLURMD_NODENAME:-local}]: $1 -> USR1 to the trainers under torchrun ${torchrun% }"
   # only torchrun's worker processes (they run the training script), not any helper it forks
-  pkill -USR1 -P "$TORCHRUN_PID" -f -- "${COMERA_TRAIN_SCRIPT:-launch/train.py}" || true
+  for pid in $torchrun; do pkill -USR1 -P "$pid" -f -- "${COMERA_TRAIN_SCRIPT:-launch/train.py}" || true; done
 }
 trap 'stop USR1' USR1
 trap 'stop TERM' TERM
-while :; do
-  wait "$TORCHRUN_PID" && rc=0 || rc=$?
-  kill -0 "$TORCHRUN_PID" 2>/dev/null || break   # woken by a trap: keep waiting for torchrun
-done
+comera_wait && rc=0 || rc=$?
 exit "$rc"

@@ -123,14 +123,11 @@ forward_stop() {  # USR1 (time limit, preemption notice) or TERM: the steps chec
 trap 'forward_stop USR1' USR1
 trap 'forward_stop TERM' TERM
 
-# srun in the background: bash runs a trap only between commands, and `wait` returns at once
-"${launch[@]}" &
-SRUN_PID=$!
-rc=0
-while :; do
-  wait "$SRUN_PID" && rc=0 || rc=$?
-  kill -0 "$SRUN_PID" 2>/dev/null || break   # returned because of a trap: keep waiting for the step
-done
+# srun in the background: bash runs a trap only between commands. comera_wait returns srun's own status
+# however the traps interrupt it (slurm/child_status.sh says why `wait` alone does not).
+. slurm/child_status.sh
+comera_start "USR1 TERM" "${launch[@]}"
+comera_wait && rc=0 || rc=$?
 echo "pretrain.sh: training step exited with $rc"
 
 case "$STOP" in

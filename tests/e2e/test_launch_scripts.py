@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = "configs/tiny-cpu.yaml"
 SCRIPTS = ["launch/accelerator.sh", "launch/gpu_check.sh", "launch/gpu_wheels.sh", "launch/mpirun.sh",
            "launch/preflight.sh", "launch/pretrain_local.sh", "launch/setup.sh", "launch/test.sh", "launch/torchrun.sh",
-           "slurm/node_launch.sh", "slurm/pretrain-cpu.sh", "slurm/pretrain.sh"]
+           "slurm/child_status.sh", "slurm/node_launch.sh", "slurm/pretrain-cpu.sh", "slurm/pretrain.sh"]
 # What a script could start: each is a stub on PATH (or named by the variable the script reads) that logs its call.
 STUBS = ["pip", "pip3", "python", "python3", "deepspeed", "torchrun", "mpirun", "srun", "scontrol", "scancel",
          "sbatch", "apt-get", "sudo"]
@@ -174,12 +176,54 @@ def test_trainer_launchers_help_names_the_trainers_options(script, tmp_path):
                                   ["launch/gpu_check.sh", "--dry-run", "--hlep"], ["launch/setup.sh", "--hlep"],
                                   ["launch/setup.sh", "--dev", "x"], ["slurm/pretrain.sh", "--hlep"],
                                   ["slurm/pretrain.sh", "--dry-run", "--hlep"], ["slurm/node_launch.sh"],
-                                  ["launch/accelerator.sh"], ["launch/preflight.sh"]], ids=" ".join)
+                                  ["launch/accelerator.sh"], ["launch/preflight.sh"], ["slurm/child_status.sh"]],
+                         ids=" ".join)
 def test_a_mistyped_option_is_a_usage_error_not_a_folder(args, tmp_path):
     box = Sandbox(tmp_path)
     p = box.run(*args)
     assert p.returncode == 2 and re.search(r"^# usage\b", p.stderr, re.MULTILINE), p.stdout + p.stderr
     assert box.started() == "" and box.made() == set(), (box.started(), box.made())
+
+
+def _stub_torchrun(tmp_path: Path, body: str) -> dict[str, str]:
+    """A ``python3`` first on PATH that runs ``body`` for node_launch.sh's ``python3 launch/torchrun.py``."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} -c '{body}'\n")
+    (bindir / "python3").chmod(0o755)
+    return _env(PATH=f"{bindir}:{os.environ['PATH']}")
+
+
+def test_node_launch_exits_with_torchruns_own_status_when_it_ends_during_the_relay(tmp_path):
+    """A step signal reaches node_launch.sh and torchrun together. torchrun (here a stub that exits 7 on USR1)
+    ended while the relay trap ran, and bash's ``wait`` gave 138 (128 + USR1) every time, or -1: the status that
+    decides pretrain.sh's requeue and reaches sacct was lost."""
+    ready = tmp_path / "ready"
+    env = _stub_torchrun(tmp_path, "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7)); "
+                                   f"open(\"{ready}\", \"w\").close(); time.sleep(60)")
+    for _ in range(5):
+        ready.unlink(missing_ok=True)
+        p = subprocess.Popen(["slurm/node_launch.sh", "--nnodes", "1", "launch/train.py"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGUSR1)  # as Slurm signals a step: every process of it at once
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 7, out
+        assert "USR1 -> USR1 to the trainers under torchrun" in out, out
+
+
+def test_node_launch_without_its_nodes_address_says_so(tmp_path):
+    env = _stub_torchrun(tmp_path, "raise SystemExit(0)")
+    scontrol = tmp_path / "bin/scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'slurm_load_node error: Invalid node name specified' >&2\nexit 1\n")
+    scontrol.chmod(0o755)
+    p = subprocess.run(["slurm/node_launch.sh", "--nnodes", "1", "launch/train.py"], cwd=REPO,
+                       env=env | {"SLURMD_NODENAME": "n9"}, capture_output=True, text=True, timeout=30, check=False)
+    assert p.returncode == 1
+    assert p.stderr == ("slurm_load_node error: Invalid node name specified\n"
+                        "node_launch.sh: no NodeAddr for this node from 'scontrol show node n9' (above)\n")
 
 
 def test_pretrain_local_dry_run_json_stdout_is_the_json():

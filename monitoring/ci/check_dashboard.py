@@ -5,7 +5,7 @@ overlapping, every datasource uid equal to the provisioned one. PromQL: every
 target expression (Grafana variables substituted) parses and type-checks in
 ``promtool check rules``, and, given a live Prometheus, returns data.
 
-usage: python monitoring/ci/check_dashboard.py [DASHBOARD_JSON] [--prometheus-port PORT]
+usage: python monitoring/ci/check_dashboard.py [DASHBOARD_JSON] [--prometheus-port PORT [--run NAME]]
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ DASHBOARD = MONITORING / "grafana/dashboards/comera-training.json"
 DATASOURCES = MONITORING / "grafana/provisioning/datasources/prometheus.yml"
 GRID_COLUMNS = 24
 
-# Grafana's variables -> values promtool and the live Prometheus accept
+# Grafana's variables -> values promtool and the live Prometheus accept ($run: any run, or the one given)
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m", "$run": ".*"}
+RUN_MATCHER = re.compile(r'(\w+)\s*(?:=~|!~|!=|=)\s*"\$run"')
 
 
 def provisioned_uids(path: Path = DATASOURCES) -> set[str]:
@@ -60,18 +61,24 @@ def structure_errors(dash: dict, uids: set[str]) -> list[str]:
     for p in panels:
         if p.get("type") != "row" and not any(t.get("expr") for t in p.get("targets", [])):
             errors.append(f"panel {p.get('id')} ({p.get('title')!r}) has no PromQL target")
+        for t in p.get("targets", []):
+            # `.*` matches a missing label too: `{rnu=~"$run"}` would show every run, found by no query
+            errors += [f"panel {p.get('id')} ({p.get('title')!r}): $run on label {label!r}, not 'run': {t['expr']}"
+                       for label in RUN_MATCHER.findall(t.get("expr") or "") if label != "run"]
     return errors
 
 
-def expressions(dash: dict) -> list[str]:
-    """Every target's PromQL, with Grafana variables replaced by concrete values."""
+def expressions(dash: dict, run: str | None = None) -> list[str]:
+    """Every target's PromQL, with Grafana variables replaced by concrete values; ``run``: the run to select
+    (a live check names its run, so that a panel selecting on the wrong label finds nothing), else any run."""
+    values = VARIABLES | ({"$run": re.escape(run)} if run is not None else {})
     out = []
     for p in dash.get("panels", []):
         for t in p.get("targets", []):
             if t.get("expr"):
                 expr = t["expr"]
-                for var in sorted(VARIABLES, key=len, reverse=True):
-                    expr = expr.replace(var, VARIABLES[var])
+                for var in sorted(values, key=len, reverse=True):
+                    expr = expr.replace(var, values[var])
                 if re.search(r"\$\w", expr):
                     raise ValueError(f"panel {p.get('id')}: unknown Grafana variable in {t['expr']!r}")
                 out.append(expr)
@@ -105,13 +112,14 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dashboard", nargs="?", type=Path, default=DASHBOARD)
     ap.add_argument("--prometheus-port", type=int, help="also query a live Prometheus on 127.0.0.1:PORT")
+    ap.add_argument("--run", help="with --prometheus-port: the run every panel must show (default: any run)")
     args = ap.parse_args(argv)
     dash = json.loads(args.dashboard.read_text())
     ok = True
     for e in structure_errors(dash, provisioned_uids()):
         print("structure:", e)
         ok = False
-    exprs = expressions(dash)
+    exprs = expressions(dash, args.run)
     err = promtool_errors(exprs)
     print(f"promtool: {len(exprs)} expressions", "ok" if err is None else f"FAILED\n{err}")
     ok &= err is None

@@ -80,6 +80,9 @@ def test_dashboard_structure(dashboard):
     (lambda d: d["panels"][0]["gridPos"].update(w=30), "outside the 24-column grid"),
     (lambda d: d["panels"][1]["gridPos"].update(x=0, y=0), "overlaps panel 1"),
     (lambda d: d["panels"][2]["targets"][0]["datasource"].update(uid="other"), "datasource uid 'other' not provisioned"),
+    # `.*` would match the missing label too, so no query could find the typo
+    (lambda d: d["panels"][2]["targets"][0].update(expr=d["panels"][2]["targets"][0]["expr"].replace(
+        'run=~"$run"', 'rnu=~"$run"')), "$run on label 'rnu', not 'run'"),
 ])
 def test_structure_check_catches(dashboard, break_it, expected):
     broken = copy.deepcopy(dashboard)

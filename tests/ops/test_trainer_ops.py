@@ -81,7 +81,7 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
                                                                            report, re.MULTILINE)}
         assert final and ranks == {(layer, b): r for layer, rs in final.items() for b, r in enumerate(rs)}
         # every dashboard expression had data while the job ran
-        for expr in expressions(json.loads(DASHBOARD.read_text())):
+        for expr in expressions(json.loads(DASHBOARD.read_text()), run="run"):  # the job's run (its output dir)
             points = [float(v) for s in series(expr) for _, v in s["values"]]
             assert any(math.isfinite(v) for v in points), f"no data for {expr}"
     finally:

@@ -145,7 +145,7 @@ class _Metrics:
         self.logged: dict[int, dict] = {}
         self.ranks_at: list[int] = []
         self.saved: list[tuple[bool, int]] = []
-        self.restored, self.closed = None, False
+        self.restored, self.closed, self.failed = None, False, None
 
     def log(self, values, step: int) -> None:
         assert step not in self.logged, f"step {step} logged twice"
@@ -166,8 +166,8 @@ class _Metrics:
     def wait_for_first_scrape(self) -> bool:
         return True
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, *, failed: bool = False) -> None:
+        self.closed, self.failed = True, failed
         self.events.append(("metrics.close",))
 
 
@@ -276,7 +276,7 @@ def test_a_run_evaluates_logs_and_checkpoints_on_its_schedules_and_at_its_last_s
     assert steps == ["0/7", "2/7", "3/7", "4/7", "6/7", "7/7"], steps
     assert j.data.saved_tokenizer == [Path(j.cfg.train.output_dir) / "tokenizer"]
     # everything is closed, and the ranks leave together before the session goes
-    assert m.closed and j.data.train.closed and j.session.closed
+    assert m.closed and not m.failed and j.data.train.closed and j.session.closed  # a finished run withdraws
     assert j.events[-3:] == [("metrics.close",), ("barrier",), ("close",)]
     assert j.stop.watched == trainer.STOP_SIGNALS and j.stop.calls == 7
 
@@ -328,7 +328,7 @@ def test_consecutive_nonfinite_steps_stop_the_run_with_exit_3_and_an_unretained_
     lines = j.lines(caplog)
     assert any(line.startswith("stopping: 2 consecutive non-finite steps") for line in lines), lines
     assert any(line.startswith("non-finite stop: wrote ") for line in lines), lines
-    assert j.events[-2:] == [("barrier",), ("close",)] and j.metrics.closed
+    assert j.events[-2:] == [("barrier",), ("close",)] and j.metrics.closed and j.metrics.failed
 
 
 def test_nonfinite_gradients_applied_stop_with_exit_3_and_no_checkpoint(job, caplog):
@@ -338,7 +338,15 @@ def test_nonfinite_gradients_applied_stop_with_exit_3_and_no_checkpoint(job, cap
     assert j.session.saves == [] and sorted(j.metrics.logged) == [0, 1, 2]
     assert any(line.startswith("stopping without a checkpoint: step 3: the gradients were not finite")
                for line in j.lines(caplog))
-    assert j.events[-2:] == [("barrier",), ("close",)]
+    assert j.events[-2:] == [("barrier",), ("close",)] and j.metrics.failed
+
+
+def test_a_crash_in_a_step_closes_the_metrics_as_failed_and_propagates(job):
+    """Not withdrawn like a finished run: the exporter's target stays, down, for Prometheus to alert on."""
+    j = job(raise_at={2: RuntimeError("CUDA error: an illegal memory access was encountered")})
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        j.run()
+    assert j.metrics.closed and j.metrics.failed
 
 
 def test_a_collapse_stops_the_run_with_exit_4_and_no_checkpoint(job, caplog):
@@ -348,7 +356,7 @@ def test_a_collapse_stops_the_run_with_exit_4_and_no_checkpoint(job, caplog):
     assert j.session.steps == 0 and j.session.saves == []
     assert any(line.startswith("step 0: stopping without a checkpoint: every rank of every TT layer is dead")
                for line in j.lines(caplog)), j.lines(caplog)
-    assert j.metrics.closed and j.events[-2:] == [("barrier",), ("close",)]
+    assert j.metrics.closed and j.metrics.failed and j.events[-2:] == [("barrier",), ("close",)]
 
 
 def test_a_stop_request_checkpoints_at_the_step_boundary_and_exits_0(job, caplog):
@@ -360,6 +368,7 @@ def test_a_stop_request_checkpoints_at_the_step_boundary_and_exits_0(job, caplog
     assert save["step"] == 2 and save["retain"] is True and save["client"]["reason"] == "signal"
     assert "stop requested (SIGUSR1): checkpointing at step 2" in j.lines(caplog)
     assert sorted(j.metrics.logged) == [0, 1, 2]
+    assert j.metrics.closed and not j.metrics.failed  # stopped to be requeued: not a failure
 
 
 def test_a_stop_at_a_scheduled_checkpoint_saves_once(job):

@@ -19,7 +19,7 @@ pytestmark = requires_prometheus
 MON = REPO / "monitoring"
 RULES = MON / "rules/comera.rules.yml"
 ALERTS = {"ComeraTrainingStalled", "ComeraLossNaN", "ComeraThroughputDrop", "ComeraCheckpointTooOld",
-          "ComeraCompressionTargetMissed"}
+          "ComeraCheckpointSaveFailed", "ComeraCompressionTargetMissed"}
 
 
 def _promtool(*args, cwd=MON) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_promtool_check_config_and_rules():
     r = _promtool("check", "config", "prometheus.yml")
     assert r.returncode == 0 and "SUCCESS: 1 rule files found" in r.stdout, r.stdout + r.stderr
     r = _promtool("check", "rules", RULES)
-    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
 
 
 def test_prometheus_yml_discovers_targets_from_files():

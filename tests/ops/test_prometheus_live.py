@@ -152,7 +152,7 @@ def test_alert_rules_loaded_and_quiet(live):
     while each metric it reads has a series (an expression over absent metrics is quiet forever)."""
     groups = promserver._get(live["port"], "/api/v1/rules", {"type": "alert"})["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    assert len(rules) == 5 and all(r["health"] == "ok" for r in rules.values()), rules
+    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules.values()), rules
     assert all(not r["lastEvaluation"].startswith("0001-") for r in rules.values()), rules  # evaluated at least once
     active = [(a["labels"]["alertname"], a["state"]) for r in rules.values() for a in r.get("alerts", [])]
     assert active == [], active

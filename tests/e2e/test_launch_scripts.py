@@ -85,7 +85,8 @@ def test_launchers_dry_run_is_the_trainers_check_of_the_run(script, tmp_path):
     out_dir = tmp_path / "run"
 
     def dry_run(*sets: str, ranks: int) -> subprocess.CompletedProcess:
-        env = _env(NNODES=str(ranks), NPROC="1", NP=str(ranks))  # torchrun.sh: ranks nodes x 1 process
+        # torchrun.sh: ranks nodes x 1 process (several nodes need the address of node rank 0)
+        env = _env(NNODES=str(ranks), NPROC="1", NP=str(ranks), MASTER_ADDR="10.0.0.7")
         args = ["--config", TINY, "--set", f"train.output_dir={out_dir}", *sets]
         return subprocess.run([script, "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=120, check=False)

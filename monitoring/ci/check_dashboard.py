@@ -71,7 +71,8 @@ def structure_errors(dash: dict, uids: set[str]) -> list[str]:
 def expressions(dash: dict, run: str | None = None) -> list[str]:
     """Every target's PromQL, with Grafana variables replaced by concrete values; ``run``: the run to select
     (a live check names its run, so that a panel selecting on the wrong label finds nothing), else any run."""
-    values = VARIABLES | ({"$run": re.escape(run)} if run is not None else {})
+    # the regex of that one name, inside a PromQL string (whose own escapes double the backslashes)
+    values = VARIABLES | ({"$run": re.escape(run).replace("\\", "\\\\")} if run is not None else {})
     out = []
     for p in dash.get("panels", []):
         for t in p.get("targets", []):

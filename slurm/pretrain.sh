@@ -104,7 +104,10 @@ fi
 # --resume auto: the first run finds no checkpoint and starts fresh; a requeued run continues (a user's own
 # --resume applies to the first run: a requeued job resumes its run's newest checkpoint once there is one)
 train=("$TRAIN_SCRIPT" --config "$CONFIG" --resume auto "$@")
+# --cpus-per-task given again: srun 22.05 stopped reading it from the job (SLURM_CPUS_PER_TASK), and the node's
+# task, torchrun and all of its trainers, would have been held to one CPU where cgroups bind the cores
 launch=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+        ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}
         slurm/node_launch.sh
         --nnodes "$NNODES" --nproc-per-node "$NPROC" --rdzv-backend c10d
         --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" --rdzv-id "comera-$JOB_ID" --max-restarts 0

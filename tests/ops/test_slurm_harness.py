@@ -156,6 +156,7 @@ def test_gpu_defaults_take_gpu_count_from_slurm(slurm_2nodes, tmp_path):
     assert (info["JobState"], info["Partition"]) == ("COMPLETED", "gpu"), text
     assert "2 process(es)/node, device gpu" in text
     assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in text
+    assert "--kill-on-bad-exit=1 --cpus-per-task=1 slurm/node_launch.sh" in text  # the job's, given to srun again
 
 
 def test_scancel_stops_without_requeue(slurm_1node, tmp_path):

@@ -134,8 +134,12 @@ def _agree(problems: list[str]) -> list[str]:
 
 
 def _my_share(names: list[str]) -> list[str]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = _share()
     return names[rank::world]
+
+
+def _share() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _failed(root: Path, tag: str) -> Path:
@@ -264,10 +268,13 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
     return removed
 
 
-def check(path: Path) -> list[str]:
+def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
     """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
 
     [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
+    ``share=(rank, world)``: every file is checked for presence and size (what this rank sees of it), and only
+    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``_agree``) then cover every
+    digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -279,7 +286,10 @@ def check(path: Path) -> list[str]:
     if found == manifest.LEGACY:
         log.warning("checkpoint %s was written before checkpoint manifests: its files cannot be verified", path)
         return [] if (path / META).is_file() else [f"{path / META}: missing"]
-    return manifest.verify(path, found)
+    if share is None:
+        return manifest.verify(path, found)
+    rank, world = share
+    return manifest.verify(path, found, digests=sorted(found["files"])[rank::world])
 
 
 def choose(spec: str, root: Path) -> Path | None:
@@ -301,7 +311,7 @@ def choose(spec: str, root: Path) -> Path | None:
         tried = candidates_auto(root)
         _log_incomplete(root)
         for candidate in tried:
-            problems = _agree(check(candidate))
+            problems = _agree(check(candidate, _share()))
             if not problems:
                 return candidate if _TAG.match(candidate.name) else _reinstate(candidate)
             if dist.get_rank() == 0:
@@ -313,7 +323,7 @@ def choose(spec: str, root: Path) -> Path | None:
         return None
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
-    problems = _agree(check(path))
+    problems = _agree(check(path, _share()))
     if problems:
         raise CheckpointError(f"resume: checkpoint {path} fails verification:\n  " + "\n  ".join(problems))
     if not (path / META).is_file():

@@ -73,7 +73,8 @@ def _sees_damage_alone(bad: Path) -> None:
     from comera_dist.engine import checkpoint
 
     real = checkpoint.check
-    checkpoint.check = lambda path: real(path) + ([f"{bad / SHARD0}: seen by rank 1 only"] if path == bad else [])
+    checkpoint.check = lambda path, share=None: real(path, share) + (
+        [f"{bad / SHARD0}: seen by rank 1 only"] if path == bad else [])
 
 
 def _resume_variants(rank: int, world_size: int, roots: dict[str, str]) -> dict:

@@ -143,3 +143,25 @@ def test_a_rank_with_no_share_verifies_nothing(tmp_path):
     (path / "a.pt").write_bytes(b"abd")
     assert manifest.verify(path, manifest.read(path), []) == []
     assert len(manifest.verify(path, manifest.read(path))) == 1
+
+
+def test_a_shared_check_reads_each_file_once_across_the_ranks_and_sizes_everywhere(tmp_path, monkeypatch):
+    """A resume's check on W ranks: every rank checks presence and size of every file, but digests only its
+    share, so the all-gathered verdicts read the checkpoint once, not W times."""
+    path = _checkpoint(tmp_path, 2, {f"zero_pp_rank_{r}_optim_states.pt": bytes([r]) * 300 for r in range(5)})
+    read: list[str] = []
+    real = manifest.digest
+    monkeypatch.setattr(manifest, "digest", lambda p, *a, **k: read.append(p.name) or real(p, *a, **k))
+    world = 3
+    assert [ckpt.check(path, (r, world)) for r in range(world)] == [[], [], []]
+    assert sorted(read) == sorted(manifest.read(path)["files"])  # each of the 6 files once, over the 3 ranks
+
+    flipped = path / "zero_pp_rank_3_optim_states.pt"
+    flipped.write_bytes(b"\xff" * 300)  # same size: only the rank that digests it can tell
+    verdicts = [ckpt.check(path, (r, world)) for r in range(world)]
+    assert sorted(len(v) for v in verdicts) == [0, 0, 1]
+    assert sum(verdicts, []) == [f"{flipped}: xxh3_128 digest differs from the manifest (corrupted)"]
+    gone = path / "zero_pp_rank_0_optim_states.pt"
+    gone.unlink()  # missing where a rank looks: every rank says so, whoever digests it
+    for r in range(world):
+        assert f"{gone}: missing (listed in the manifest)" in ckpt.check(path, (r, world))

@@ -29,9 +29,11 @@ or else ``.tmp-replaced-<tag>`` (``finish_interrupted``). A crash after the fail
 the failed copy moved aside, leaves it in place beside the old copy: ``resume auto`` tries the old copy
 right after it and puts it back (``choose``).
 
-Resume (``choose``): every rank verifies the files it will read (all of them: DeepSpeed reads
-every ZeRO shard on every rank) before anything unpickles a byte, and the verdicts are
-all-gathered so the ranks agree. ``auto`` walks back from the newest checkpoint to the first
+Resume (``choose``): before anything unpickles a byte, every rank checks that each file of the manifest is
+there with its size, and digests its share of them (``check(path, share)``); the verdicts are all-gathered so
+the ranks agree and every digest is read once. Each rank once digested every file: W reads of the whole
+checkpoint, hours for a large ZeRO-3 job on a shared file system. With node-local copies (each node its own),
+a copy damaged on one node alone is caught only where that node's rank digests it. ``auto`` walks back from the newest checkpoint to the first
 that verifies, logging each one it skips and why; an explicit path that fails is an error
 naming the file.
 """

@@ -22,7 +22,7 @@ if [ -n "${SLURMD_NODENAME:-}" ]; then
 else
   LOCAL_ADDR=127.0.0.1
 fi
-. slurm/child_status.sh   # comera_start, comera_wait: torchrun's own status, whatever the traps do
+. "$(dirname "${BASH_SOURCE[0]}")/child_status.sh"   # comera_start, comera_wait: torchrun's own status
 trap '' USR1
 # torchrun, exiting with the failed rank's status, under a keeper subshell that outlives the step's TERM
 comera_start TERM python3 launch/torchrun.py --local-addr "$LOCAL_ADDR" "$@"

@@ -14,6 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
@@ -163,15 +164,33 @@ def init_distributed(timeout_s: float = 60.0) -> DistInfo:
     quiet_barrier_device_notice()
     source = discover_ranks()
     accelerator = get_accelerator()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(device_index(local_rank, accelerator.device_count(), source,
-                                            accelerator.device_name()))
+    global _node_local_rank
     if not dist.is_initialized():
+        _node_local_rank = int(os.environ["LOCAL_RANK"])
+        select_device(accelerator, _node_local_rank, source)
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ["LOCAL_RANK"]), source=source)
+    local_rank = int(os.environ["LOCAL_RANK"]) if _node_local_rank is None else _node_local_rank
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, source=source)
+
+
+_node_local_rank: int | None = None
+"""This process's index among its node's processes, as discovered when the group started (``DistInfo.local_rank``:
+one local rank 0 per node builds the data). ``LOCAL_RANK`` may differ from it after ``select_device``."""
+
+
+def select_device(accelerator: Any, local_rank: int, source: str) -> None:
+    """Select this rank's device (``device_index``) on a device accelerator, and say it in ``LOCAL_RANK``.
+
+    DeepSpeed reads ``LOCAL_RANK`` itself as the rank's device: ``init_process_group``'s ``device_id`` and the
+    engine's own ``set_device``. A Slurm task bound to one GPU has a ``SLURM_LOCALID`` past its one device, so
+    ``LOCAL_RANK`` becomes that device's index (0) there; elsewhere it is unchanged.
+    """
+    if accelerator.device_name() == "cpu":
+        return
+    index = device_index(local_rank, accelerator.device_count(), source, accelerator.device_name())
+    accelerator.set_device(index)
+    os.environ["LOCAL_RANK"] = str(index)
 
 
 def leave_distributed() -> None:
@@ -183,6 +202,8 @@ def leave_distributed() -> None:
     Call it only on the way out of a clean return: after a failed collective, NCCL's destroy can block
     on the dead peer.
     """
+    global _node_local_rank
+    _node_local_rank = None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # What still holds a group (a destroyed engine's reference cycles) is freed now, while the interpreter

@@ -27,7 +27,7 @@ GRID_COLUMNS = 24
 
 # Grafana's variables -> values promtool and the live Prometheus accept ($run: any run, or the one given)
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m", "$run": ".*"}
-RUN_MATCHER = re.compile(r'(\w+)\s*(?:=~|!~|!=|=)\s*"\$run"')
+RUN_MATCHER = re.compile(r'(\w+)\s*(?:=~|!~|!=|=)\s*"\$(?:run|\{run\})"')
 
 
 def provisioned_uids(path: Path = DATASOURCES) -> set[str]:
@@ -72,7 +72,9 @@ def expressions(dash: dict, run: str | None = None) -> list[str]:
     """Every target's PromQL, with Grafana variables replaced by concrete values; ``run``: the run to select
     (a live check names its run, so that a panel selecting on the wrong label finds nothing), else any run."""
     # the regex of that one name, inside a PromQL string (whose own escapes double the backslashes)
-    values = VARIABLES | ({"$run": re.escape(run).replace("\\", "\\\\")} if run is not None else {})
+    pattern = re.escape(run).replace("\\", "\\\\").replace('"', '\\"') if run is not None else None
+    values = VARIABLES | ({"$run": pattern} if pattern is not None else {})
+    values["${run}"] = values["$run"]
     out = []
     for p in dash.get("panels", []):
         for t in p.get("targets", []):

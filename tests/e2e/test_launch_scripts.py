@@ -195,12 +195,14 @@ def _stub_torchrun(tmp_path: Path, body: str) -> dict[str, str]:
     return _env(PATH=f"{bindir}:{os.environ['PATH']}")
 
 
-def test_node_launch_exits_with_torchruns_own_status_when_it_ends_during_the_relay(tmp_path):
-    """A step signal reaches node_launch.sh and torchrun together. torchrun (here a stub that exits 7 on USR1)
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_node_launch_exits_with_torchruns_own_status_when_it_ends_during_the_relay(tmp_path, sig):
+    """A step signal reaches node_launch.sh and torchrun together. torchrun (here a stub that exits 7 on it)
     ended while the relay trap ran, and bash's ``wait`` gave 138 (128 + USR1) every time, or -1: the status that
-    decides pretrain.sh's requeue and reaches sacct was lost."""
+    decides pretrain.sh's requeue and reaches sacct was lost. TERM reaches the keeper subshell too, which must
+    outlive it to write the status."""
     ready = tmp_path / "ready"
-    env = _stub_torchrun(tmp_path, "import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(7)); "
+    env = _stub_torchrun(tmp_path, f"import signal, sys, time; signal.signal({int(sig)}, lambda *a: sys.exit(7)); "
                                    f"open(\"{ready}\", \"w\").close(); time.sleep(60)")
     for _ in range(5):
         ready.unlink(missing_ok=True)
@@ -209,10 +211,10 @@ def test_node_launch_exits_with_torchruns_own_status_when_it_ends_during_the_rel
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        os.killpg(p.pid, signal.SIGUSR1)  # as Slurm signals a step: every process of it at once
+        os.killpg(p.pid, sig)  # as Slurm signals a step: every process of it at once
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 7, out
-        assert "USR1 -> USR1 to the trainers under torchrun" in out, out
+        assert f"{sig.name.removeprefix('SIG')} -> USR1 to the trainers under torchrun" in out, out
 
 
 def test_node_launch_without_its_nodes_address_says_so(tmp_path):

@@ -83,6 +83,8 @@ def test_dashboard_structure(dashboard):
     # `.*` would match the missing label too, so no query could find the typo
     (lambda d: d["panels"][2]["targets"][0].update(expr=d["panels"][2]["targets"][0]["expr"].replace(
         'run=~"$run"', 'rnu=~"$run"')), "$run on label 'rnu', not 'run'"),
+    (lambda d: d["panels"][2]["targets"][0].update(expr=d["panels"][2]["targets"][0]["expr"].replace(
+        'run=~"$run"', 'rnu=~"${run}"')), "$run on label 'rnu', not 'run'"),
 ])
 def test_structure_check_catches(dashboard, break_it, expected):
     broken = copy.deepcopy(dashboard)

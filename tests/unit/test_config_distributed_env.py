@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 
 import pytest
@@ -13,6 +14,7 @@ from comera_dist.engine.distributed import (
     device_index,
     discover_ranks,
     init_distributed,
+    select_device,
 )
 from comera_dist.engine.errors import InputError
 from comera_dist.engine.ports import ephemeral_low
@@ -123,3 +125,35 @@ def test_device_index_is_the_local_rank_or_a_bound_slurm_tasks_only_device():
     for source, count in (("env", 1), ("slurm", 2), ("openmpi", 1)):
         with pytest.raises(RuntimeError, match=f"local rank 3 has no cuda device: this node shows {count}"):
             device_index(3, count, source)
+
+
+class _Accelerator:
+    """The three calls ``select_device`` makes of DeepSpeed's accelerator, for a node of ``count`` GPUs."""
+
+    def __init__(self, count: int, name: str = "cuda") -> None:
+        self.count, self.name, self.selected = count, name, None
+
+    def device_name(self) -> str:
+        return self.name
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_device(self, index: int) -> None:
+        self.selected = index
+
+
+def test_a_bound_slurm_task_tells_deepspeed_its_device_through_local_rank(monkeypatch):
+    """DeepSpeed takes LOCAL_RANK as the rank's device (init_process_group's device_id, the engine's set_device):
+    left at SLURM_LOCALID 3 on a task that sees one GPU, it asked for cuda:3, which does not exist."""
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    gpu = _Accelerator(1)
+    select_device(gpu, 3, "slurm")
+    assert gpu.selected == 0 and os.environ["LOCAL_RANK"] == "0"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    node = _Accelerator(8)
+    select_device(node, 3, "env")  # a node's 8 GPUs, all visible: the local rank's own
+    assert node.selected == 3 and os.environ["LOCAL_RANK"] == "3"
+    cpu = _Accelerator(0, "cpu")
+    select_device(cpu, 3, "slurm")  # gloo: no device, LOCAL_RANK as it was
+    assert cpu.selected is None and os.environ["LOCAL_RANK"] == "3"

@@ -154,8 +154,6 @@ def resume(session: TrainSession, spec: str) -> dict[str, Any] | None:
     session.steps_done = state["steps_done"]
     session.nonfinite_total = state["nonfinite_total"]
     set_rng_state(elastic.rank_entry(state["rng"], rank))
-    if rank >= len(state["rng"]):  # a rank the writing job did not have: rank 0's streams, moved apart
-        pass
     return dict(elastic.rank_entry(client["clients"], rank), step=state["step"], checkpoint_dir=path)
 
 
@@ -251,17 +249,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if cuda and torch.cuda.is_available():
         n = min(len(cuda), torch.cuda.device_count())
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda[:n]])
-
-
-def seed_new_rank(rank: int) -> None:
-    """Seed every generator of a rank that a growing world added, from the restored (rank 0's) torch stream and
-    the rank: deterministic, and apart from rank 0 and the other new ranks. Left on rank 0's states, such a rank
-    drew rank 0's dropout masks for the rest of the run."""
-    base = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every new rank
-    seed = (base + rank * 0x9E3779B97F4A7C15) % 2**63
-    torch.manual_seed(seed)  # and every CUDA device's generator
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
 
 
 def _as_tuple(x: Any) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 from pathlib import Path
 
@@ -59,9 +58,6 @@ def _run(rank: int, world_size: int, outdir: str, stage: int, resume: str | None
         loader.load_state_dict(client["data_state"])
         start = client["step"]
     out = {"ids": {}, "loss": {}, "lr": {}, "stage": {}, "lam": {}}
-    streams: list = [None] * world_size  # each rank's generators as the resume left them
-    dist.all_gather_object(streams, (hash(torch.get_rng_state().numpy().tobytes()), hash(random.getstate())))
-    out["rng_after_resume"] = streams
     for step in range(start + 1, STEPS + 1):
         mbs = [next(loader) for _ in range(s.accumulation)]
         everyone: list = [None] * world_size
@@ -154,9 +150,6 @@ def test_elastic_resume_continues_the_straight_run(runs, case):
     torch.testing.assert_close(torch.tensor([r["loss"][s] for s in resumed]),
                                torch.tensor([ref["loss"][s] for s in resumed]), rtol=1e-4, atol=1e-5)
     assert r["plans"] == ref["plans"] and len(r["plans"]) >= 1  # the pruning plan came along
-    print("RNG", case, r["rng_after_resume"])
-    for streams in zip(*r["rng_after_resume"]):  # torch's, python's: rank 1 of from1 is new, and has its own
-        assert len(set(streams)) == len(streams), (case, r["rng_after_resume"])
     assert r["dims"] == ref["dims"] and r["dims"][LAYER] == [4, 2, 4]
     assert r["counters"] == ref["counters"]  # DeepSpeed's step and sample counters came along
     assert r["controller"].keys() == ref["controller"].keys()

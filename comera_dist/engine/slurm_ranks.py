@@ -64,5 +64,9 @@ def fill_from_slurm(env: MutableMapping[str, str]) -> None:
     env.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local)
     if "MASTER_ADDR" not in env:
         one_node = env.get("SLURM_STEP_NUM_NODES", "1") == "1"
+        if not one_node and env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary"):
+            # task 0 sits on the first host of SLURM_HOSTFILE, which SLURM_STEP_NODELIST (sorted) does not say
+            raise InputError("slurm: an arbitrary task distribution (srun -m arbitrary, SLURM_HOSTFILE) may put "
+                             "rank 0 on any node; export MASTER_ADDR=<address of rank 0's host>")
         env["MASTER_ADDR"] = LOOPBACK if one_node else head_address(env.get("SLURM_STEP_NODELIST", ""))
     env.setdefault("MASTER_PORT", str(step_port(env.get("SLURM_JOB_ID", ""), env["SLURM_STEP_ID"])))

@@ -100,6 +100,14 @@ def test_a_slurm_step_across_nodes_keeps_a_given_master_addr_and_port():
     assert (env["RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("2", "10.0.0.9", "1234")
 
 
+def test_an_arbitrary_distribution_across_nodes_needs_master_addr():
+    """srun -m arbitrary places task 0 on SLURM_HOSTFILE's first host, not the step's first node (sorted)."""
+    with pytest.raises(InputError, match="arbitrary task distribution .* export MASTER_ADDR"):
+        discover_ranks(_srun_task(1, 4, 1, nodes=2, SLURM_DISTRIBUTION="arbitrary"))
+    env = _srun_task(1, 4, 1, nodes=2, SLURM_DISTRIBUTION="arbitrary", MASTER_ADDR="10.0.0.3")
+    assert discover_ranks(env) == "slurm" and env["MASTER_ADDR"] == "10.0.0.3"
+
+
 @pytest.mark.parametrize("env", [
     {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"},  # the batch script: no step variables
     _srun_task(0, 1, 0),                                                # srun -n 1

@@ -298,9 +298,9 @@ def _observe(session_cls, metrics_cls, starts: list[float], histories: list[Any]
                 profiler.disable()
         return step(self, *args, **kwargs)
 
-    def observed_close(self):
+    def observed_close(self, *args, **kwargs):  # close(failed=...) as the trainer calls it
         histories.append(self.history)
-        return close(self)
+        return close(self, *args, **kwargs)
 
     session_cls.train_step, metrics_cls.close = train_step, observed_close
 

@@ -14,9 +14,10 @@ case "${1:-}" in
 esac
 # this node's address as Slurm knows it: emulated nodes share one host under unresolvable names
 if [ -n "${SLURMD_NODENAME:-}" ]; then
-  LOCAL_ADDR=$(scontrol show node "$SLURMD_NODENAME" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2) || LOCAL_ADDR=""
+  node=$(scontrol show node "$SLURMD_NODENAME" 2>&1) || true   # its answer, or its complaint ("Node n9 not found")
+  LOCAL_ADDR=$(grep -o 'NodeAddr=[^ ]*' <<<"$node" | cut -d= -f2) || LOCAL_ADDR=""
   if [ -z "$LOCAL_ADDR" ]; then
-    echo "node_launch.sh: no NodeAddr for this node from 'scontrol show node $SLURMD_NODENAME' (above)" >&2
+    echo "node_launch.sh: no NodeAddr for this node from 'scontrol show node $SLURMD_NODENAME': ${node:-no output}" >&2
     exit 1
   fi
 else

@@ -83,6 +83,7 @@ else
 fi
 JOB_ID=${SLURM_JOB_ID:-0}
 # below 32768, where Linux's ephemeral ports start: no outgoing connection on the head node can hold it
+# (the range of engine/slurm_ranks.py's step_port, for srun steps started without this script)
 RDZV_PORT=${COMERA_RDZV_PORT:-$((20000 + JOB_ID % 12000))}
 
 # The trainer's own check of the config and its batch arithmetic at this job's world size, before any node

@@ -33,9 +33,9 @@ Resume (``choose``): before anything unpickles a byte, every rank checks that ea
 there with its size, and digests its share of them (``check(path, share)``); the verdicts are all-gathered so
 the ranks agree and every digest is read once. Each rank once digested every file: W reads of the whole
 checkpoint, hours for a large ZeRO-3 job on a shared file system. With node-local copies (each node its own),
-a copy damaged on one node alone is caught only where that node's rank digests it. ``auto`` walks back from the newest checkpoint to the first
-that verifies, logging each one it skips and why; an explicit path that fails is an error
-naming the file.
+a copy damaged on one node alone is caught only where that node's rank digests it. ``auto`` walks back from
+the newest checkpoint to the first that verifies, logging each one it skips and why; an explicit path that
+fails is an error naming the file.
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ import subprocess
 from collections.abc import MutableMapping
 
 from comera_dist.engine.errors import InputError
-from comera_dist.engine.ports import LOOPBACK
+from comera_dist.engine.ports import LOOPBACK, LOWEST
 
-PORT_BASE = 20000
 PORT_SPAN = 12000
-"""The step's rendezvous port is in [20000, 32000): below the kernel's ephemeral range (32768 on Linux), so no
-outgoing connection can hold it, and the same on every task without any exchange."""
+"""The step's rendezvous port is in [LOWEST, LOWEST + 12000) = [20000, 32000): below the kernel's ephemeral range
+(32768 on Linux), so no outgoing connection can hold it, and the same on every task without any exchange
+(``slurm/pretrain.sh`` draws its torchrun port from the same range)."""
 
 
 def in_slurm_step(env: MutableMapping[str, str]) -> bool:
@@ -35,7 +35,7 @@ def step_port(job_id: str, step_id: str) -> int:
     """The rendezvous port of a job step: the same on every task, different for the steps of one job."""
     job = int(job_id) if job_id.isdigit() else 0
     step = int(step_id) if step_id.isdigit() else 0
-    return PORT_BASE + (job + 1009 * step) % PORT_SPAN
+    return LOWEST + (job + 1009 * step) % PORT_SPAN
 
 
 def head_address(nodelist: str) -> str:

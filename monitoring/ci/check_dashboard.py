@@ -72,9 +72,8 @@ def expressions(dash: dict, run: str | None = None) -> list[str]:
     """Every target's PromQL, with Grafana variables replaced by concrete values; ``run``: the run to select
     (a live check names its run, so that a panel selecting on the wrong label finds nothing), else any run."""
     # the regex of that one name, inside a PromQL string (whose own escapes double the backslashes)
-    pattern = re.escape(run).replace("\\", "\\\\").replace('"', '\\"') if run is not None else None
-    values = VARIABLES | ({"$run": pattern} if pattern is not None else {})
-    values["${run}"] = values["$run"]
+    selected = VARIABLES["$run"] if run is None else re.escape(run).replace("\\", "\\\\").replace('"', '\\"')
+    values = VARIABLES | {"$run": selected, "${run}": selected}
     out = []
     for p in dash.get("panels", []):
         for t in p.get("targets", []):

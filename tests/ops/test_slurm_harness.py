@@ -159,6 +159,16 @@ def test_gpu_defaults_take_gpu_count_from_slurm(slurm_2nodes, tmp_path):
     assert "--kill-on-bad-exit=1 --cpus-per-task=1 slurm/node_launch.sh" in text  # the job's, given to srun again
 
 
+def test_node_launch_on_a_node_slurm_does_not_know_says_so(slurm_1node):
+    """The real scontrol, asked for a node the cluster lacks: before, node_launch.sh ended with rc 1 and no line."""
+    r = subprocess.run([REPO / "slurm/node_launch.sh", "--nnodes", "1", "launch/train.py"], cwd=REPO,
+                       env=slurm_1node.env | {"SLURMD_NODENAME": "n9"}, capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    # scontrol's own complaint, which the pipe into grep used to swallow
+    assert r.stderr == "node_launch.sh: no NodeAddr for this node from 'scontrol show node n9': Node n9 not found\n"
+
+
 def test_scancel_stops_without_requeue(slurm_1node, tmp_path):
     """A plain scancel (SIGTERM to every process) ends the job for good: pretrain.sh must not requeue it."""
     job, log = _submit(slurm_1node, tmp_path, steps=400, step_s=0.05)

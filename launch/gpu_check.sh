@@ -63,7 +63,8 @@ export COMERA_CACHE=${COMERA_CACHE:-$WORK/cache}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # torchrun from the interpreter we check (the lent machine may have no torchrun on PATH)
-export TORCHRUN="$PYTHON launch/torchrun.py"  # torchrun, exiting with the failed rank's own status
+# one word, not TORCHRUN="$PYTHON launch/torchrun.py": that string is split on blanks, a checkout path's too
+export COMERA_PYTHON=$PYTHON
 
 if [ "$MODE" = gpu ]; then
   export DS_ACCELERATOR=cuda TRITON_INTERPRET=0

@@ -6,10 +6,11 @@
 #        (default 0), MASTER_ADDR (node rank 0's address, required when NNODES > 1; default 127.0.0.1),
 #        MASTER_PORT (default 29500),
 #        DS_ACCELERATOR (default: cuda when a GPU is visible, else cpu; see launch/accelerator.sh),
-#        TORCHRUN (default "python3 launch/torchrun.py": torchrun, exiting with the failed rank's own status)
+#        TORCHRUN (a command, split on blanks; default: COMERA_PYTHON launch/torchrun.py, torchrun exiting with
+#        the failed rank's own status), COMERA_PYTHON (one path, spaces allowed; default python3, .venv's first)
 # The trainer's options: comera pretrain --help.
 set -euo pipefail
-usage() { sed -n '2,10p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
+usage() { sed -n '2,11p' "$0"; }   # the header above; read before the cd below, while $0 still resolves
 # --help first: otherwise torchrun would start NPROC trainers that each print their own help
 case "${1:-}" in -h|--help) usage; exit 0 ;; esac
 DRY_RUN=0
@@ -31,8 +32,12 @@ NPROC=${NPROC:-$([ "$COMERA_LOCAL_GPUS" -gt 0 ] && echo "$COMERA_LOCAL_GPUS" || 
 
 # --max-restarts 0: a dead rank ends the job (torchrun then stops the other ranks) instead of
 # restarting it into a group whose peers are mid-collective; Slurm requeue handles restarts.
-# shellcheck disable=SC2206
-cmd=(${TORCHRUN:-python3 launch/torchrun.py} --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
+if [ -n "${TORCHRUN:-}" ]; then
+  read -ra cmd <<< "$TORCHRUN"
+else
+  cmd=("${COMERA_PYTHON:-python3}" launch/torchrun.py)   # one word: a checkout path with spaces stays whole
+fi
+cmd+=(--nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC"
      --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" --max-restarts 0
      launch/train.py "$@")
 if [ "$DRY_RUN" = 1 ]; then
@@ -41,6 +46,7 @@ if [ "$DRY_RUN" = 1 ]; then
   world="${NNODES:-1}x$NPROC"
   if [[ "${NNODES:-1}" =~ ^[1-9][0-9]*$ && "$NPROC" =~ ^[1-9][0-9]*$ ]]; then world=$((${NNODES:-1} * NPROC)); fi
   comera_check_run torchrun.sh "$world" "$@" || exit
-  echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; echo "${cmd[*]}"; exit 0
+  echo "DS_ACCELERATOR=$DS_ACCELERATOR" >&2; printf '%q' "${cmd[0]}"; printf ' %q' "${cmd[@]:1}"; echo   # quoted: pastable
+  exit 0
 fi
 exec "${cmd[@]}"

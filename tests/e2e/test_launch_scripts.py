@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -76,6 +77,25 @@ def test_torchrun_on_several_nodes_needs_master_addr(dry, tmp_path):
     one_node = subprocess.run(["launch/torchrun.sh", "--dry-run", "--config", TINY], cwd=REPO,
                               env=env | {"NNODES": "1"}, capture_output=True, text=True, check=False)
     assert one_node.returncode == 0 and "--master-addr 127.0.0.1" in one_node.stdout, one_node.stderr
+
+
+def test_torchrun_takes_an_interpreter_whose_path_has_spaces(tmp_path):
+    """gpu_check.sh ran torchrun.sh with TORCHRUN="$PYTHON launch/torchrun.py", which is split on blanks: a checkout
+    at "/a b" ran "/a" with "b/.venv/bin/python" as its script. COMERA_PYTHON is one path."""
+    calls = tmp_path / "calls"
+    python = tmp_path / "my venv" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{calls}'\n")
+    python.chmod(0o755)
+    env = _env(COMERA_PYTHON=str(python), NPROC="2")
+    p = subprocess.run(["launch/torchrun.sh", "--config", TINY], cwd=REPO, env=env, capture_output=True, text=True,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    assert calls.read_text().split("\n")[:3] == ["launch/torchrun.py", "--nnodes", "1"]
+    dry = subprocess.run(["launch/torchrun.sh", "--dry-run", "--config", TINY], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=False)
+    assert dry.returncode == 0, dry.stderr
+    assert shlex.split(dry.stdout)[:2] == [str(python), "launch/torchrun.py"]  # the printed command pastes whole
 
 
 @pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/mpirun.sh"])

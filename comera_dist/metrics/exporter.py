@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, start_http_server, values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -111,6 +111,7 @@ class PrometheusExporter:
 
     def __init__(self, *, host: str, port: int, sd_file: Path, run_name: str, world_size: int,
                  total_steps: int, rank_label_limit: int, nonfinite_steps_total: float = 0.0) -> None:
+        _process_local_values()
         self.registry = CollectorRegistry(auto_describe=True)
         self._gauges = _GaugeCollector(rank_label_limit)
         self.registry.register(self._gauges)
@@ -224,6 +225,24 @@ class PrometheusExporter:
         tmp = self.sd_file.with_name(f".{self.sd_file.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(groups, indent=1) + "\n")
         os.replace(tmp, self.sd_file)
+
+
+def _process_local_values() -> None:
+    """Keep every counter and histogram in this process's memory, whatever ``PROMETHEUS_MULTIPROC_DIR`` says.
+
+    prometheus-client reads that variable once, at import, and then keeps every value in an mmapped file of the
+    directory named by the process id. Each rank serves its own registry, so that mode only does harm here: a
+    missing directory crashed the first metric, and a counter started from an earlier file of the same id (a
+    second run in one process, or a recycled pid) instead of 0, so ``increase()`` saw saves and non-finite steps
+    that never happened. Process-wide, as the library's own choice is; the variable is left as set, for whatever
+    else reads it.
+    """
+    if values.ValueClass is values.MutexValue:
+        return
+    log.warning("metrics: PROMETHEUS_MULTIPROC_DIR=%s is ignored: each rank serves its own registry, and "
+                "prometheus-client's multiprocess files would carry counts across runs",
+                os.environ.get("PROMETHEUS_MULTIPROC_DIR", os.environ.get("prometheus_multiproc_dir")))
+    values.ValueClass = values.MutexValue
 
 
 def build_info() -> dict[str, str]:

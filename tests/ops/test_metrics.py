@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -440,3 +443,42 @@ def test_a_non_finite_step_time_is_not_observed(metrics):
     got = _scrape(metrics)
     assert got[("comera_step_time_seconds_count", ())] == 1  # the mean step time panel stays finite
     assert got[("comera_step_time_seconds_sum", ())] == pytest.approx(0.2)
+
+
+MULTIPROC_RUNS = """
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+from comera_dist.metrics import MetricsConfig, build_metrics
+
+def run(out):
+    m = build_metrics(MetricsConfig(progress=False), rank=0, local_rank=0, world_size=1, total_steps=4,
+                      output_dir=out, run_name="unit")
+    m.checkpoint_saved(True, 1)
+    m.log({"nonfinite_steps_total": 1, "step_time_seconds": 0.2}, step=1)
+    text = urllib.request.urlopen(f"http://{m.endpoint}/metrics", timeout=5).read().decode()
+    m.close()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if f.type in ("counter", "histogram")
+            and not s.name.endswith("_created")}
+
+print(json.dumps([run(sys.argv[1] + "/a"), run(sys.argv[1] + "/b")]))
+"""
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_a_prometheus_multiproc_dir_is_ignored(tmp_path, made):
+    """prometheus-client's multiprocess mode (the variable set for some other program): a second run in one process
+    started its counters at the first run's counts, and a directory that does not exist crashed the first metric."""
+    multiproc = tmp_path / "multiproc"
+    if made:
+        multiproc.mkdir()
+    env = os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(multiproc)}
+    p = subprocess.run([sys.executable, "-c", MULTIPROC_RUNS, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    first, second = json.loads(p.stdout)
+    assert first == second, (first, second)  # each run counts from 0
+    assert first['comera_checkpoint_saves_total{"outcome": "success"}'] == 1
+    assert first["comera_nonfinite_steps_total{}"] == 1 and first["comera_step_time_seconds_count{}"] == 1
+    assert f"metrics: PROMETHEUS_MULTIPROC_DIR={multiproc} is ignored" in p.stderr
+    assert not made or list(multiproc.iterdir()) == []  # no mmapped files left behind

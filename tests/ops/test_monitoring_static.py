@@ -14,6 +14,7 @@ from check_dashboard import DASHBOARD, expressions, promtool_errors, provisioned
 from opsmarks import REPO, requires_prometheus
 
 from comera_dist.metrics import MetricsConfig, build_metrics
+from comera_dist.metrics.exporter import STEP_TIME_BUCKETS
 
 pytestmark = requires_prometheus
 MON = REPO / "monitoring"
@@ -132,3 +133,36 @@ def test_rules_and_dashboard_use_only_exported_metrics(tmp_path, dashboard):
     used = set(re.findall(r"\bcomera_\w+", " ".join(expressions(dashboard) + rule_exprs)))
     assert len(used) >= 15
     assert used - served == set(), f"not exported: {sorted(used - served)}"
+
+
+def _bucket_series(run: str, per_scrape: list[float], le: float) -> dict:
+    """``comera_step_time_seconds_bucket`` of ``run`` for bucket ``le``: ``per_scrape`` gives its count at each
+    15 s scrape."""
+    return {"series": f'comera_step_time_seconds_bucket{{run="{run}",le="{le:g}"}}',
+            "values": " ".join(f"{v:g}" for v in per_scrape)}
+
+
+def test_step_time_quantiles_show_steps_longer_than_the_rate_window(dashboard, tmp_path):
+    """The panel's p50/p90 over Grafana's rate window (1 m here) read NaN for a run whose steps take longer, with
+    no step in the window: now that run's quantiles come from the last 30 minutes. A run of 0.3 s steps keeps the
+    short window. Evaluated by promtool on the dashboard's own expressions."""
+    (panel,) = [p for p in dashboard["panels"] if p.get("title") == "Step time"]
+    exprs = expressions({"panels": [panel]})[:2]  # p50, p90 of any run; the data-wait gauge aside
+    scrapes = 121  # 30 minutes at 15 s
+    slow = [float(i // 8) for i in range(scrapes)]  # one 120 s step every 8 scrapes
+    fast = [50.0 * i for i in range(scrapes)]  # 50 steps of 0.3 s per scrape
+    series = [_bucket_series("r1", [0.0] * scrapes if le < 120 else slow, le) for le in STEP_TIME_BUCKETS]
+    series += [_bucket_series("r2", [0.0] * scrapes if le < 0.3 else fast, le) for le in STEP_TIME_BUCKETS]
+    series += [{"series": 'comera_step_time_seconds_bucket{run="r1",le="+Inf"}', "values": " ".join(map(str, slow))},
+               {"series": 'comera_step_time_seconds_bucket{run="r2",le="+Inf"}', "values": " ".join(map(str, fast))}]
+    series += [{"series": f'comera_step_time_seconds_count{{run="{r}"}}', "values": " ".join(map(str, v))}
+               for r, v in (("r1", slow), ("r2", fast))]
+    # at 29m30s r1's last step was 90 s ago; linear interpolation in its bucket (60, 150], r2's (0.25, 0.5]
+    cases = [{"expr": e, "eval_time": "29m30s", "exp_samples": [{"labels": '{run="r1"}', "value": 60 + 90 * q},
+                                                                {"labels": '{run="r2"}', "value": 0.25 + 0.25 * q}]}
+             for e, q in zip(exprs, (0.5, 0.9))]
+    spec = {"rule_files": [], "evaluation_interval": "15s",
+            "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": cases}]}
+    (tmp_path / "quantiles.test.yml").write_text(yaml.safe_dump(spec))
+    r = _promtool("test", "rules", "quantiles.test.yml", cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr

@@ -58,7 +58,9 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
                         "with one line naming the problem. For a node where the job's size is not known yet "
                         "(slurm/pretrain.sh --dry-run outside an allocation)")
     p.add_argument("--json", action="store_true",
-                   help="with --dry-run: print the summary as one JSON object (machine-readable)")
+                   help="with --dry-run: print the summary as one JSON object (machine-readable); with "
+                        "--check-config: print the verdict as one, {config, resume, step, train_steps, "
+                        "nothing_to_train} (resume: the checkpoint the run would resume, or null; step: its step)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="with --dry-run: the number of processes to solve the batch arithmetic for "
                         "(default: $WORLD_SIZE or 1)")
@@ -148,10 +150,11 @@ def _check_modes(args: argparse.Namespace) -> None:
     while a run trains, or a check passes that the run's world size fails."""
     from comera_dist.engine.errors import InputError
 
-    given = [flag for flag, value in (("--json", args.json), ("--world-size", args.world_size is not None)) if value]
-    if given and not args.dry_run:
-        raise InputError(f"{' and '.join(given)}: only with --dry-run (they shape the dry run's summary; a run "
-                         "takes its world size from its launcher)")
+    if args.json and not (args.dry_run or args.check_config):
+        raise InputError("--json: only with --dry-run or --check-config (it shapes their output; a run logs)")
+    if args.world_size is not None and not args.dry_run:
+        raise InputError("--world-size: only with --dry-run (it shapes the dry run's summary; a run takes its "
+                         "world size from its launcher)")
     if args.dry_run and args.check_config:
         raise InputError("--dry-run and --check-config are two checks: give one (--dry-run --world-size N also "
                          "checks the batch arithmetic)")
@@ -196,16 +199,27 @@ def _check_config(args: argparse.Namespace) -> int:
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
     target = check_local_inputs(cfg)
     _print_warnings(cfg)
+    if args.json:  # slurm/pretrain.sh asks it whether a requeue would train anything (launch/preflight.sh)
+        step = None if target is None else target[1].get("step")
+        print(json.dumps({"config": args.config, "resume": None if target is None else str(target[0]), "step": step,
+                          "train_steps": cfg.train.steps, "nothing_to_train": _finished(cfg, step)}))
+        return 0
     start = "starts fresh" if target is None else f"resumes {target[0]} if it verifies{_nothing_left(cfg, target[1])}"
     print(f"comera pretrain: {args.config}: config accepted, {start} (the batch arithmetic is checked at the run's "
           "world size: --dry-run --world-size N)")
     return 0
 
 
+def _finished(cfg, step: object) -> bool:
+    """Whether a run resuming a checkpoint of ``step`` is already at ``train.steps`` (the trainer's "nothing to
+    train")."""
+    return isinstance(step, int) and step >= cfg.train.steps
+
+
 def _nothing_left(cfg, meta: dict) -> str:
     """What the run would say after resuming the checkpoint of ``meta``, when its step is already ``train.steps``."""
     step = meta.get("step")
-    if not isinstance(step, int) or step < cfg.train.steps:
+    if not _finished(cfg, step):
         return ""
     return f", at step {step} of train.steps={cfg.train.steps}: nothing to train (--set train.steps=N trains on)"
 

@@ -13,7 +13,8 @@
 #       torch or comera_dist (./launch/setup.sh sets up .venv), both before anything starts; else the job's status.
 # Preemption / time limit: Slurm sends USR1 to this script 120 s early (--signal=B:USR1@120); it
 # forwards USR1 to every node's trainer processes, which checkpoint at the next step boundary and
-# exit 0; then the job requeues itself and the next run resumes (--resume auto).
+# exit 0; then the job requeues itself and the next run resumes (--resume auto), unless the run had reached
+# train.steps by then (comera pretrain --check-config --json says so).
 # The node count is never written here: it is sbatch's -N (default 1).
 #SBATCH --job-name=comera-pretrain
 #SBATCH --partition=gpu
@@ -139,6 +140,11 @@ case "$STOP" in
     if [ "$rc" -ne 0 ]; then
       echo "pretrain.sh: trainer did not stop cleanly after USR1 (rc $rc); not requeueing" >&2
       exit "$rc"
+    fi
+    # the USR1 came at the last step or after it: the run is done, and a requeue would only say so
+    if [ "$TRAIN_SCRIPT" = launch/train.py ] && comera_run_finished --config "$CONFIG" "$@" --resume auto; then
+      echo "pretrain.sh: the run reached train.steps before the USR1 took effect; not requeueing job $JOB_ID"
+      exit 0
     fi
     echo "pretrain.sh: checkpointed after USR1; requeueing job $JOB_ID (resumes with --resume auto)"
     scontrol requeue "$JOB_ID"

@@ -74,6 +74,24 @@ def test_a_dry_runs_json_names_the_checkpoint_it_would_resume(capsys, tmp_path):
     assert "resume" not in json.loads(out)  # refused: moot
 
 
+def test_a_check_configs_json_says_whether_the_run_has_anything_left(capsys, tmp_path):
+    """What slurm/pretrain.sh asks before it requeues after a USR1: a run at ``train.steps`` (tiny-cpu's 6) has
+    nothing left, and a requeue of it would only say so."""
+    run = tmp_path / "run"
+    verdicts = []
+    for step in (None, 3, 6):
+        if step is not None:
+            _checkpoint(run / "checkpoints", step)
+        rc, out, err = _check(capsys, run, "--json")
+        assert rc == 0 and err == "", err
+        verdicts.append(json.loads(out))
+    assert [(v["step"], v["nothing_to_train"]) for v in verdicts] == [(None, False), (3, False), (6, True)]
+    assert verdicts[0]["resume"] is None and verdicts[2]["resume"] == str(run / "checkpoints" / layout.tag_for(6))
+    assert {v["train_steps"] for v in verdicts} == {6} and {v["config"] for v in verdicts} == {TINY}
+    rc, out, _ = _check(capsys, run, "--json", "--set", "train.steps=8")  # raised: there is more to train
+    assert rc == 0 and json.loads(out)["nothing_to_train"] is False
+
+
 def test_auto_checks_the_newest_checkpoint_whose_meta_reads(capsys, tmp_path):
     """The run skips a checkpoint whose meta does not read (its manifest cannot match) and takes the next."""
     root = tmp_path / "run" / "checkpoints"

@@ -202,9 +202,9 @@ def test_a_directory_that_is_a_file_is_one_line_exit_2(key, under, mode, capsys,
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--json"], "--json: only with --dry-run"),
+    (["--json"], "--json: only with --dry-run or --check-config"),
     (["--world-size", "3"], "--world-size: only with --dry-run"),
-    (["--json", "--world-size", "3", "--check-config"], "--json and --world-size: only with --dry-run"),
+    (["--json", "--world-size", "3", "--check-config"], "--world-size: only with --dry-run"),
     (["--dry-run", "--check-config"], "--dry-run and --check-config are two checks"),
 ])
 def test_dry_run_options_without_a_dry_run_are_refused(args, needle, capsys, tmp_path):

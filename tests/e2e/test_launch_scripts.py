@@ -302,3 +302,26 @@ def test_gpu_check_dry_run_lists_its_steps_without_a_gpu_and_a_real_run_says_wha
     p = box.run("launch/gpu_check.sh", str(tmp_path / "out"))
     assert p.returncode == 2 and "gpu_check: no GPU visible (nvidia-smi -L); use --cpu-smoke on a CPU" in p.stderr
     assert "torchrun" not in box.started() and "pytest" not in box.started(), box.started()
+
+
+@pytest.mark.parametrize(("train_py", "finished"), [
+    ('echo \'{"nothing_to_train": true}\'', 0),
+    ('echo \'{"nothing_to_train": false}\'', 1),
+    ("echo 'comera pretrain: error: train.steps must be >= 1' >&2; exit 2", 1),  # a refused config
+    ("echo 'not json'", 1),
+    ("sleep 30", 1),  # past COMERA_FINISHED_CHECK_S: the time limit is near
+])
+def test_a_requeue_is_skipped_only_when_the_check_says_the_run_is_finished(train_py, finished, tmp_path):
+    """preflight.sh's comera_run_finished, which slurm/pretrain.sh asks before requeueing after a USR1: any
+    answer but the trainer's own "nothing to train" keeps the requeue, since a run left unqueued is lost time."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").write_text(f'#!/bin/bash\nif [ "$1" = launch/train.py ]; then {train_py}; exit; fi\n'
+                                   f'exec {sys.executable} "$@"\n')
+    (bindir / "python").chmod(0o755)
+    start = time.monotonic()
+    p = subprocess.run(["bash", "-c", ". launch/preflight.sh; comera_run_finished --config x.yaml"], cwd=REPO,
+                       env=_env(PATH=f"{bindir}:{os.environ['PATH']}", COMERA_FINISHED_CHECK_S="2"),
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert (p.returncode, p.stdout, p.stderr) == (finished, "", "")
+    assert time.monotonic() - start < 20

@@ -108,6 +108,27 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
     assert (ckpts / f"step{stopped:08d}").is_dir() and (ckpts / "latest").read_text().strip() == "step00000024"
 
 
+def test_a_usr1_at_the_last_step_does_not_requeue_the_finished_run(slurm_1node, tmp_path):
+    """Slurm's USR1 at the last step or after it (here while rank 0 waits out its final scrape): the trainers end
+    the run at train.steps and exit 0, and pretrain.sh requeued the job, which came back only to say "nothing to
+    train". Now it asks the trainer's --check-config --json first."""
+    job, log = _submit(slurm_1node, tmp_path, "--set", "train.steps=2", "--set", "train.eval_every=0",
+                       "--set", "train.checkpoint_every=0", "--set", f"metrics.sd_file={tmp_path / 'targets.json'}",
+                       "--set", "metrics.final_scrape_timeout_s=20")  # no Prometheus: 20 s after the last step
+    slurm_1node.wait_for_text(log, r"trainer: step 2/2 ", timeout=400, job_id=job)
+    slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = slurm_1node.wait(job, timeout=400)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), \
+        text + slurm_1node.logs()
+    assert "pretrain.sh: caught USR1" in text, text  # the signal came while the job ran
+    assert f"the run reached train.steps before the USR1 took effect; not requeueing job {job}" in text, text
+    assert text.count("pretrain.sh: job") == 1 and "; requeueing job" not in text, text
+    time.sleep(3)  # a requeued job would be PENDING again by now
+    assert slurm_1node.job(job)["JobState"] == "COMPLETED"
+    assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "step00000002"
+
+
 def test_two_emulated_nodes_train(slurm_2nodes, tmp_path):
     job, log = _submit(slurm_2nodes, tmp_path, "--set", "train.steps=3", "--set", "train.eval_every=0",
                        "--set", "train.checkpoint_every=0", nodes=2, nproc=1)

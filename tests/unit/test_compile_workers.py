@@ -1,0 +1,70 @@
+"""Inductor's compile workers survive Slurm's stop signals (``engine.compile_workers``).
+
+Slurm signals every process of a step. The compile workers (a sidecar and its process pool) had no USR1
+handler: USR1 killed them, and the next kernel compile waited on the dead pool for ever. Each case runs in its
+own process, whose pool lives as long as it does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROGRAM = """
+import json, operator, os, signal, subprocess, sys, time
+from comera_dist.engine.compile_workers import start_compile_workers
+from comera_dist.engine.signals import STOP_SIGNALS, StopRequest
+from torch._inductor import async_compile
+
+stop = StopRequest(STOP_SIGNALS)  # the trainer's handlers
+if sys.argv[1] == "guarded":
+    assert start_compile_workers(STOP_SIGNALS)
+else:  # what inductor's first Triton kernel does by itself
+    async_compile.maybe_warm_pool()
+pool = async_compile.AsyncCompile.process_pool()
+assert pool.submit(operator.add, 1, 2).result(timeout=120) == 3  # the sidecar's workers are up
+
+def blocked(pid):
+    line = [l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:")][0]
+    mask = int(line.split()[1], 16)
+    return [s.name for s in STOP_SIGNALS if mask >> (s - 1) & 1]
+
+sidecar = pool.process.pid
+workers = subprocess.run(["pgrep", "-P", str(sidecar)], capture_output=True, text=True).stdout.split()
+procs = [sidecar] + [int(w) for w in workers]
+masks = {str(p): blocked(p) for p in procs}
+for p in procs + [os.getpid()]:
+    os.kill(p, signal.SIGUSR1)  # scancel --signal=USR1: every process of the step
+time.sleep(1)
+try:
+    answer = pool.submit(operator.add, 3, 4).result(timeout=float(sys.argv[2]))
+except TimeoutError:
+    answer = None
+print(json.dumps({"workers": len(workers), "masks": masks, "answer": answer, "trainer": stop.signal_name,
+                  "trainer_blocks": blocked(os.getpid())}))
+os._exit(0)  # a dead pool's shutdown would wait on it
+"""
+
+
+def _run(mode: str, wait_s: float) -> dict:
+    p = subprocess.run([sys.executable, "-c", PROGRAM, mode, str(wait_s)], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_leaves_the_compile_workers_working():
+    got = _run("guarded", 60)
+    assert got["workers"] >= 1 and all(m == ["SIGUSR1", "SIGTERM"] for m in got["masks"].values()), got
+    assert got["answer"] == 7, got  # the pool still compiles
+    assert got["trainer"] == "SIGUSR1" and got["trainer_blocks"] == [], got  # the trainer saw it, blocks nothing
+
+
+@pytest.mark.slow
+def test_without_the_guard_a_stop_signal_kills_the_pool():
+    """The failure itself, so that the case above shows a difference: the pool never answers again."""
+    got = _run("plain", 10)
+    assert all(m == [] for m in got["masks"].values()) and got["answer"] is None, got

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 import torch
@@ -85,16 +87,52 @@ def test_eta_is_the_mean_step_time_times_the_steps_left():
     assert _eta(1.0, 0, 3) == "0:00:03"  # never divides by zero
 
 
+def _signal_self(sig: signal.Signals, stop: StopRequest) -> None:
+    """Send ``sig`` to this process and wait (at most 5 s) for ``stop``'s handler. The main thread blocks the
+    watched signals, so the kernel delivers them to the receiver thread, and the main thread runs the Python
+    handler at its next bytecode rather than before ``kill`` returns."""
+    seen = stop.signal_name
+    os.kill(os.getpid(), sig)
+    deadline = time.monotonic() + 5
+    while seen is None and stop.signal_name is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # a second signal, whose handler keeps the first name, has no change to wait for
+
+
 def test_stop_request_records_signal_and_restores_handlers():
     before = signal.getsignal(signal.SIGUSR1)
     stop = StopRequest()
     assert not stop.requested and not stop.agree()
-    os.kill(os.getpid(), signal.SIGUSR1)
+    _signal_self(signal.SIGUSR1, stop)
     assert stop.requested and stop.signal_name == "SIGUSR1" and stop.agree()
-    os.kill(os.getpid(), signal.SIGTERM)
+    _signal_self(signal.SIGTERM, stop)
     assert stop.signal_name == "SIGUSR1"  # the first one is kept
     stop.close()
     assert signal.getsignal(signal.SIGUSR1) == before
+    assert not set(STOP_SIGNALS) & signal.pthread_sigmask(signal.SIG_BLOCK, [])  # unblocked again
+
+
+def test_a_child_started_while_watching_outlives_the_stop_signal():
+    """Slurm signals every process of the step: a child of the trainer (ptxas, a compile worker) died of the
+    default action. Started after ``watch``, it inherits the signals blocked; the trainer still records them."""
+    stop = StopRequest()
+    try:
+        child = subprocess.Popen(["sleep", "30"])
+        try:
+            for sig in STOP_SIGNALS:
+                child.send_signal(sig)  # as scancel --signal: each process of the step
+            _signal_self(signal.SIGUSR1, stop)
+            time.sleep(0.5)
+            assert child.poll() is None, f"the child died of a stop signal: {child.returncode}"
+            assert stop.signal_name == "SIGUSR1"
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        stop.close()
+    after = subprocess.Popen(["sleep", "30"])  # closed: children get the signals again
+    after.send_signal(signal.SIGUSR1)
+    assert after.wait(timeout=10) == -signal.SIGUSR1
 
 
 def test_stop_request_watches_more_signals_later_and_restores_the_first_handlers():
@@ -103,7 +141,7 @@ def test_stop_request_watches_more_signals_later_and_restores_the_first_handlers
     stop = StopRequest(START_SIGNALS)
     assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]  # a starting rank still dies of TERM
     stop.watch(STOP_SIGNALS)  # USR1 again: its first previous handler is the one kept
-    os.kill(os.getpid(), signal.SIGTERM)
+    _signal_self(signal.SIGTERM, stop)
     assert stop.signal_name == "SIGTERM"
     stop.close()
     assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before

@@ -40,7 +40,6 @@ from comera_dist.config import (
     slurm_restarts,
 )
 from comera_dist.engine.checkpoint import CheckpointError, latest_complete, requeued_spec
-from comera_dist.engine.compile_workers import start_compile_workers
 from comera_dist.engine.device import accelerator_device, collective_tensor
 from comera_dist.engine.distributed import DistInfo, init_distributed
 from comera_dist.engine.errors import InputError
@@ -215,7 +214,6 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     a stage switch changes only the objective outside the module (dynamo guards cover the rest).
     ``COMERA_COMPILE_BACKEND`` picks another torch.compile backend (tests use ``aot_eager``, which
     traces the same graphs without inductor's minutes-long C++ code generation on CPU).
-    On CUDA, inductor's compile workers start first, immune to the stop signals (``compile_workers``).
     ``train.compile_mode`` goes to torch.compile as its ``mode``. ``train.compile_optimizer`` also compiles
     the ZeRO optimizer's ``step`` (default mode: its host reads split it into several graphs, which CUDA
     graphs could not replay).
@@ -228,8 +226,6 @@ def maybe_compile(cfg: RunConfig, session: TrainSession) -> None:
     if cfg.train.compile:
         torch.compiler.reset()
         backend = os.environ.get("COMERA_COMPILE_BACKEND", "inductor")
-        if backend == "inductor" and accelerator_device().type == "cuda":  # its Triton kernels compile in workers
-            start_compile_workers(STOP_SIGNALS)  # which Slurm's USR1 would kill, hanging the next compile
         session.engine.compile(backend=backend, compile_kwargs=compile_options(cfg))
         log.info("torch.compile (%s, mode %s): engine compiled = %s", backend, cfg.train.compile_mode,
                  session.engine.is_compiled)

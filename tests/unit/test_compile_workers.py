@@ -1,7 +1,9 @@
-"""Inductor's compile workers survive Slurm's stop signals (``engine.compile_workers``).
+"""Inductor's compile workers survive Slurm's stop signals (``engine.signals.StopRequest``).
 
-Slurm signals every process of a step. The compile workers (a sidecar and its process pool) had no USR1
-handler: USR1 killed them, and the next kernel compile waited on the dead pool for ever. Each case runs in its
+Slurm signals every process of a step. The compile workers (a sidecar and its process pool, which inductor
+starts from the main thread at its first Triton kernel, after the trainer watches the stop signals) had no
+USR1 handler: USR1 killed them, and the next kernel compile waited on the dead pool for ever. The trainer's
+``StopRequest`` blocks the signals in the main thread, and the pool inherits that mask. Each case runs in its
 own process, whose pool lives as long as it does."""
 
 from __future__ import annotations
@@ -14,17 +16,18 @@ import pytest
 
 PROGRAM = """
 import json, operator, os, signal, subprocess, sys, time
-from comera_dist.engine.compile_workers import start_compile_workers
 from comera_dist.engine.signals import STOP_SIGNALS, StopRequest
 from torch._inductor import async_compile
 
-if sys.argv[1] == "guarded":
-    assert start_compile_workers(STOP_SIGNALS)
-else:  # what inductor's first Triton kernel does by itself
+if sys.argv[1] == "guarded":  # the trainer's order: the stop signals watched, then the first compile
+    stop = StopRequest(STOP_SIGNALS)
+    async_compile.maybe_warm_pool()  # what inductor's first Triton kernel does, from the main thread
+else:  # a pool started before the signals are watched: unprotected
     async_compile.maybe_warm_pool()
+    stop = StopRequest(STOP_SIGNALS)
+assert async_compile._pool_set  # a pool runs
 pool = async_compile.AsyncCompile.process_pool()
 assert pool.submit(operator.add, 1, 2).result(timeout=120) == 3  # the sidecar's workers are up
-stop = StopRequest(STOP_SIGNALS)  # the trainer's handlers, after the pool (its own block would cover a later one)
 
 def blocked(pid):
     line = [l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:")][0]
@@ -42,8 +45,7 @@ try:
     answer = pool.submit(operator.add, 3, 4).result(timeout=float(sys.argv[2]))
 except TimeoutError:
     answer = None
-print(json.dumps({"workers": len(workers), "masks": masks, "answer": answer, "trainer": stop.signal_name,
-                  "trainer_blocks": blocked(os.getpid())}))
+print(json.dumps({"workers": len(workers), "masks": masks, "answer": answer, "trainer": stop.signal_name}))
 os._exit(0)  # a dead pool's shutdown would wait on it
 """
 

@@ -94,6 +94,14 @@ class SlurmCluster:
         raise TimeoutError(f"{pattern!r} not in {path} (job {job_id} {self.job(job_id)['JobState']}):\n{log}")
 
 
+    def usr1_when(self, log: Path, pattern: str, job_id: int, timeout: float) -> tuple[dict[str, str], str]:
+        """Slurm's time-limit warning once the job's log matches ``pattern``: USR1 to its batch shell (which
+        forwards it to the trainers); then the job's final record and its whole log."""
+        self.wait_for_text(log, pattern, timeout=timeout, job_id=job_id)
+        self.run("scancel", "--signal=USR1", "--batch", str(job_id))
+        info = self.wait(job_id, timeout=timeout)
+        return info, log.read_text()
+
 def cpu_overrides(log: Path, **env: str) -> list[str]:
     """sbatch options turning slurm/pretrain.sh's GPU defaults into a loopback CPU job."""
     exports = ",".join(["ALL", "COMERA_DEVICE=cpu", f"COMERA_HOME={REPO}"] + [f"{k}={v}" for k, v in env.items()])

@@ -117,10 +117,7 @@ def test_a_failed_runs_status_is_the_jobs(slurm_1node, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
     job, log = _submit(slurm_1node, tmp_path, steps=150, step_s=0.05, cpu_script=True)  # exec keeps the trap
-    slurm_1node.wait_for_text(log, r"^step 10$", timeout=120, job_id=job)
-    slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = slurm_1node.wait(job, timeout=240)
-    text = log.read_text()
+    info, text = slurm_1node.usr1_when(log, r"^step 10$", job, timeout=240)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         text + slurm_1node.logs()
     stopped = int(re.search(r"saved checkpoint at step (\d+) \(stop SIGUSR1\)", text).group(1))

@@ -91,10 +91,7 @@ def test_sbatch_tiny_cpu_scraped_by_prometheus(slurm_1node, tmp_path):
 def test_preemption_checkpoints_requeues_and_resumes(slurm_1node, tmp_path):
     job, log = _submit(slurm_1node, tmp_path, "--set", "train.steps=24", "--set", "train.eval_every=0",
                        "--set", "train.checkpoint_every=0")
-    slurm_1node.wait_for_text(log, r"trainer: step 2/24 ", timeout=400, job_id=job)
-    slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = slurm_1node.wait(job, timeout=400)
-    text = log.read_text()
+    info, text = slurm_1node.usr1_when(log, r"trainer: step 2/24 ", job, timeout=400)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         text + slurm_1node.logs()
     stopped = int(re.search(r"stop requested \(SIGUSR1\): checkpointing at step (\d+)", text).group(1))
@@ -115,10 +112,7 @@ def test_a_usr1_at_the_last_step_does_not_requeue_the_finished_run(slurm_1node, 
     job, log = _submit(slurm_1node, tmp_path, "--set", "train.steps=2", "--set", "train.eval_every=0",
                        "--set", "train.checkpoint_every=0", "--set", f"metrics.sd_file={tmp_path / 'targets.json'}",
                        "--set", "metrics.final_scrape_timeout_s=20")  # no Prometheus: 20 s after the last step
-    slurm_1node.wait_for_text(log, r"trainer: step 2/2 ", timeout=400, job_id=job)
-    slurm_1node.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = slurm_1node.wait(job, timeout=400)
-    text = log.read_text()
+    info, text = slurm_1node.usr1_when(log, r"trainer: step 2/2 ", job, timeout=400)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), \
         text + slurm_1node.logs()
     assert "pretrain.sh: caught USR1" in text, text  # the signal came while the job ran

@@ -60,7 +60,9 @@ def _add_pretrain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="with --dry-run: print the summary as one JSON object (machine-readable); with "
                         "--check-config: print the verdict as one, {config, resume, step, train_steps, "
-                        "nothing_to_train} (resume: the checkpoint the run would resume, or null; step: its step)")
+                        "nothing_to_train, problems} (resume: the checkpoint the run would resume, or null; step: "
+                        "its step; nothing_to_train: it is at train.steps and its files match its manifest; "
+                        "problems: what did not match, else [])")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="with --dry-run: the number of processes to solve the batch arithmetic for "
                         "(default: $WORLD_SIZE or 1)")
@@ -201,8 +203,10 @@ def _check_config(args: argparse.Namespace) -> int:
     _print_warnings(cfg)
     if args.json:  # slurm/pretrain.sh asks it whether a requeue would train anything (launch/preflight.sh)
         step = None if target is None else target[1].get("step")
+        problems = _final_problems(target[0]) if _finished(cfg, step) else []
         print(json.dumps({"config": args.config, "resume": None if target is None else str(target[0]), "step": step,
-                          "train_steps": cfg.train.steps, "nothing_to_train": _finished(cfg, step)}))
+                          "train_steps": cfg.train.steps, "nothing_to_train": _finished(cfg, step) and not problems,
+                          "problems": problems}))
         return 0
     start = "starts fresh" if target is None else f"resumes {target[0]} if it verifies{_nothing_left(cfg, target[1])}"
     print(f"comera pretrain: {args.config}: config accepted, {start} (the batch arithmetic is checked at the run's "
@@ -214,6 +218,15 @@ def _finished(cfg, step: object) -> bool:
     """Whether a run resuming a checkpoint of ``step`` is already at ``train.steps`` (the trainer's "nothing to
     train")."""
     return isinstance(step, int) and step >= cfg.train.steps
+
+
+def _final_problems(path) -> list[str]:
+    """What in the final checkpoint ``path`` does not match its manifest (every file digested). A damaged one reads
+    as finished by its meta alone, yet the run's ``resume auto`` walks back past it to an older one and trains on:
+    a requeue skipped on the meta's word would lose those steps."""
+    from comera_dist.engine import checkpoint_layout as layout
+
+    return layout.check(path)
 
 
 def _nothing_left(cfg, meta: dict) -> str:

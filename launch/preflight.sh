@@ -4,7 +4,7 @@
 #   comera_check_run NAME N ARGS...    comera pretrain --dry-run --world-size N ARGS (keys, values, the batch)
 #   comera_check_run NAME "" ARGS...   comera pretrain --check-config ARGS (the world size is not known yet)
 #   comera_require_env NAME            only the first part: the python on PATH has torch and comera_dist
-#   comera_run_finished ARGS...        0 when the run's newest checkpoint is at train.steps (a requeue trains nothing)
+#   comera_run_finished ARGS...        0 when the run's newest checkpoint is at train.steps and verifies (a requeue trains nothing)
 # The trainer's output is dropped; its one-line refusal reaches stderr, and NAME's line says what follows.
 # Returns 0 when the trainer accepts the run, else the launcher's exit status: 1 the python on PATH cannot import
 # torch or comera_dist (launch/setup.sh makes .venv with both), 2 the trainer refused it, else the check's own.

@@ -14,7 +14,7 @@
 # Preemption / time limit: Slurm sends USR1 to this script 120 s early (--signal=B:USR1@120); it
 # forwards USR1 to every node's trainer processes, which checkpoint at the next step boundary and
 # exit 0; then the job requeues itself and the next run resumes (--resume auto), unless the run had reached
-# train.steps by then (comera pretrain --check-config --json says so).
+# train.steps by then with a checkpoint that verifies (comera pretrain --check-config --json says so).
 # The node count is never written here: it is sbatch's -N (default 1).
 #SBATCH --job-name=comera-pretrain
 #SBATCH --partition=gpu

@@ -71,6 +71,7 @@ from comera_dist.engine.checkpoint_layout import (  # noqa: F401
     _given_root,
     _replaced,
     candidates_auto,
+    check,
     check_compatible,
     complete_checkpoints,
     finish_interrupted,
@@ -268,30 +269,6 @@ def remove_old(root: Path, keep: int, keep_every: int = 0) -> list[Path]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
     return removed
-
-
-def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
-    """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
-
-    [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
-    ``share=(rank, world)``: every file is checked for presence and size (what this rank sees of it), and only
-    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``_agree``) then cover every
-    digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
-    """
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        return [f"{path / MARKER}: missing (the save was interrupted before publication)"]
-    try:
-        found = manifest.read(path)
-    except (OSError, ValueError) as e:
-        return [str(e)]
-    if found == manifest.LEGACY:
-        log.warning("checkpoint %s was written before checkpoint manifests: its files cannot be verified", path)
-        return [] if (path / META).is_file() else [f"{path / META}: missing"]
-    if share is None:
-        return manifest.verify(path, found)
-    rank, world = share
-    return manifest.verify(path, found, digests=sorted(found["files"])[rank::world])
 
 
 def choose(spec: str, root: Path) -> Path | None:

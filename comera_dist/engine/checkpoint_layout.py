@@ -2,8 +2,9 @@
 config identity a checkpoint must share with the run loading it.
 
 Nothing here imports torch or DeepSpeed: ``comera pretrain --check-config`` reads a run's checkpoints on a
-login node with it (``resume_candidate``, ``check_compatible``; ``config._resume_target``). Writing, verifying
-and loading checkpoints is ``engine.checkpoint``'s, which re-exports all of this.
+login node with it (``resume_candidate``, ``check_compatible``; ``config._resume_target``), and checks one
+checkpoint's files against its manifest (``check``). Writing, choosing (collectively verified) and loading
+checkpoints is ``engine.checkpoint``'s, which re-exports all of this.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_dist.configbase import to_dict
+from comera_dist.engine import manifest
 from comera_dist.engine.manifest import MARKER
 
 log = logging.getLogger("comera_dist.engine.checkpoint")  # one logger for every checkpoint message
@@ -196,6 +198,30 @@ def resume_candidate(spec: str, root: Path) -> tuple[Path, dict[str, Any]] | Non
         except CheckpointError:
             continue  # the run skips it too: its meta is in its manifest, which cannot match
     return None
+
+
+def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
+    """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
+
+    [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
+    ``share=(rank, world)``: every file is checked for presence and size (what this rank sees of it), and only
+    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``_agree``) then cover every
+    digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
+    """
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        return [f"{path / MARKER}: missing (the save was interrupted before publication)"]
+    try:
+        found = manifest.read(path)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    if found == manifest.LEGACY:
+        log.warning("checkpoint %s was written before checkpoint manifests: its files cannot be verified", path)
+        return [] if (path / META).is_file() else [f"{path / META}: missing"]
+    if share is None:
+        return manifest.verify(path, found)
+    rank, world = share
+    return manifest.verify(path, found, digests=sorted(found["files"])[rank::world])
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import pytest
 from comera_dist import cli
 from comera_dist.config import load_run_config
 from comera_dist.engine import checkpoint_layout as layout
+from comera_dist.engine import manifest
 
 TINY = "configs/tiny-cpu.yaml"
 
@@ -28,7 +29,8 @@ def _checkpoint(root: Path, step: int, *sets: str, job_id: str | None = None) ->
     path.mkdir(parents=True)
     meta = {"identity": layout.identity(load_run_config(TINY, list(sets))), "step": step, "slurm_job_id": job_id}
     (path / layout.META).write_text(json.dumps(meta))
-    (path / "COMPLETE").write_text("{}")
+    (path / "shard.pt").write_bytes(b"shard of step %d" % step)
+    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, ["shard.pt", layout.META])))
     (root / layout.LATEST).write_text(path.name)
     return path
 
@@ -90,6 +92,29 @@ def test_a_check_configs_json_says_whether_the_run_has_anything_left(capsys, tmp
     assert {v["train_steps"] for v in verdicts} == {6} and {v["config"] for v in verdicts} == {TINY}
     rc, out, _ = _check(capsys, run, "--json", "--set", "train.steps=8")  # raised: there is more to train
     assert rc == 0 and json.loads(out)["nothing_to_train"] is False
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "marker"])
+def test_a_final_checkpoint_that_does_not_verify_leaves_something_to_train(damage, capsys, tmp_path):
+    """Its meta says ``train.steps``, but the run's ``resume auto`` walks back past it to step 3 and trains on: the
+    verdict must say so, or pretrain.sh skips the requeue and those steps are lost."""
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", 3)
+    final = _checkpoint(run / "checkpoints", 6)
+    rc, out, err = _check(capsys, run, "--json")
+    assert rc == 0 and json.loads(out)["nothing_to_train"] is True and json.loads(out)["problems"] == [], err
+    shard = final / "shard.pt"
+    if damage == "flipped":
+        shard.write_bytes(b"shard of step 7")  # same size, other bytes
+    elif damage == "truncated":
+        shard.write_bytes(b"shard")
+    else:
+        (final / manifest.MARKER).write_text("")  # a crash's zero-length marker
+    rc, out, err = _check(capsys, run, "--json")
+    verdict = json.loads(out)
+    assert rc == 0 and verdict["step"] == 6 and verdict["nothing_to_train"] is False, (out, err)
+    said = {"flipped": "digest differs", "truncated": "size 5 bytes", "marker": "damaged manifest"}[damage]
+    assert len(verdict["problems"]) == 1 and said in verdict["problems"][0], verdict
 
 
 def test_auto_checks_the_newest_checkpoint_whose_meta_reads(capsys, tmp_path):

@@ -160,7 +160,7 @@ def test_a_shared_check_reads_each_file_once_across_the_ranks_and_sizes_everywhe
     flipped.write_bytes(b"\xff" * 300)  # same size: only the rank that digests it can tell
     verdicts = [ckpt.check(path, (r, world)) for r in range(world)]
     assert sorted(len(v) for v in verdicts) == [0, 0, 1]
-    assert sum(verdicts, []) == [f"{flipped}: xxh3_128 digest differs from the manifest (corrupted)"]
+    assert [p for v in verdicts for p in v] == [f"{flipped}: xxh3_128 digest differs from the manifest (corrupted)"]
     gone = path / "zero_pp_rank_0_optim_states.pt"
     gone.unlink()  # missing where a rank looks: every rank says so, whoever digests it
     for r in range(world):

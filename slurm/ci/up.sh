@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bring up a throwaway Slurm cluster on loopback (no systemd): munged, slurmctld, one slurmd per node.
-# usage: slurm/ci/up.sh [NNODES]    NNODES=1: one node "localhost"; >1: emulated nodes n1..nN on 127.0.0.1
+# usage: slurm/ci/up.sh [NNODES]    NNODES=1: one node "localhost"; >1: emulated nodes n1..nN (NodeAddr 127.0.0.2..)
 # env:   SLURM_CI_DIR (default /tmp/comera-slurm-ci), SLURM_CI_PORT (slurmctld port, default 16817),
 #        SLURM_CI_FAKE_GPUS (default 0: N fake "gpu" GRES per node backed by /dev/tty0..N-1, so that
 #        --gres=gpu:N allocations and SLURM_GPUS_ON_NODE work; no device isolation)
@@ -21,11 +21,15 @@ done
 rm -rf "$D"; mkdir -p "$D"/{etc,state,log,run,munge,spool}
 chown munge:munge "$D/munge"; chmod 0755 "$D/munge"
 MS="$D/munge/munge.socket"
+# Emulated nodes have NodeAddrs 127.0.0.2.. (loopback, but not 127.0.0.1, so that a test tells a node's NodeAddr
+# from loopback). NoInAddrAny binds a slurmd to the host's own name (127.0.0.1), not to its NodeAddr, where
+# slurmctld and srun reach it: their slurmds listen on every address instead (munge authenticates each message).
+if [ "$NNODES" -eq 1 ]; then COMM=NoInAddrAny,NoCtldInAddrAny; else COMM=NoCtldInAddrAny; fi
 cat > "$D/etc/slurm.conf" <<CONF
 ClusterName=comera-ci
-# every daemon on loopback only
+# slurmctld on loopback only; slurmd too for one node (see COMM)
 SlurmctldHost=localhost(127.0.0.1)
-CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+CommunicationParameters=$COMM
 SlurmctldPort=$PORT
 SlurmdPort=$((PORT + 1))
 SlurmUser=root
@@ -59,8 +63,8 @@ else
   NODES=()
   for i in $(seq 1 "$NNODES"); do
     NODES+=("n$i")
-    # emulated node: its own slurmd port, the same host; its name does not resolve, NodeAddr does
-    echo "NodeName=n$i NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 10 + i)) CPUs=$CPUS RealMemory=4000 State=UNKNOWN" >> "$D/etc/slurm.conf"
+    # emulated node: its own slurmd port, the same host; its name does not resolve, its NodeAddr (above) does
+    echo "NodeName=n$i NodeHostname=localhost NodeAddr=127.0.0.$((i + 1)) Port=$((PORT + 10 + i)) CPUs=$CPUS RealMemory=4000 State=UNKNOWN" >> "$D/etc/slurm.conf"
   done
 fi
 echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$D/etc/slurm.conf"

@@ -54,5 +54,5 @@ def slurm_1node(slurm: SlurmCluster) -> SlurmCluster:
 
 @pytest.fixture
 def slurm_2nodes(slurm: SlurmCluster) -> SlurmCluster:
-    """Two emulated nodes n1, n2 on 127.0.0.1, each with 2 fake GPUs (GRES on /dev/tty0-1)."""
+    """Two emulated nodes n1, n2 at NodeAddr 127.0.0.2 and 127.0.0.3 (loopback), each with 2 fake GPUs (GRES on /dev/tty0-1)."""
     return slurm.ensure(2, gpus=2)

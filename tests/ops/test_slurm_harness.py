@@ -135,9 +135,9 @@ def test_two_emulated_nodes_rendezvous(slurm_2nodes, tmp_path):
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text
     # 2 nodes x 2 processes in one process group, rendezvous on the head node's NodeAddr
-    assert "on 2 node(s) (n[1-2]), head n1=127.0.0.1" in text
+    assert "on 2 node(s) (n[1-2]), head n1=127.0.0.2" in text
     # not anchored: the 4 processes share the log and their lines can interleave
-    ranks = re.findall(r"rank (\d)/4 on \S+ node (n\d) MASTER_ADDR=127\.0\.0\.1 start step 0", text)
+    ranks = re.findall(r"rank (\d)/4 on \S+ node (n\d) MASTER_ADDR=127\.0\.0\.2 start step 0", text)
     assert sorted(r for r, _ in ranks) == ["0", "1", "2", "3"], text
     assert sorted(n for _, n in ranks) == ["n1", "n1", "n2", "n2"], text  # one torchrun per node, 2 procs each
     assert "saved checkpoint at step 3 (done)" in text
@@ -152,7 +152,7 @@ def test_gpu_defaults_take_gpu_count_from_slurm(slurm_2nodes, tmp_path):
     text = (tmp_path / f"{job}.out").read_text()
     assert (info["JobState"], info["Partition"]) == ("COMPLETED", "gpu"), text
     assert "2 process(es)/node, device gpu" in text
-    assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" in text
+    assert "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.2:" in text
     assert "--kill-on-bad-exit=1 --cpus-per-task=1 slurm/node_launch.sh" in text  # the job's, given to srun again
 
 

@@ -43,7 +43,7 @@ def test_srun_tasks_form_one_process_group_across_nodes(slurm_2nodes, tmp_path):
         assert (res["source"], res["procid"], res["rank"], res["world_size"]) == ("slurm", str(r), r, 4), res
         assert res["local_rank"] == r % 2, res  # srun's block distribution: tasks 0, 1 on n1 and 2, 3 on n2
         # across nodes: the head node n1's NodeAddr (scontrol), one port for every task, below the ephemeral range
-        assert res["master"] == f"127.0.0.1:{port}" and 20000 <= int(port) < 32000, res
+        assert res["master"] == f"127.0.0.2:{port}" and 20000 <= int(port) < 32000, res
         assert res["all_reduce"] == 10.0 and res["all_gather"] == [[0, "n1"], [1, "n1"], [2, "n2"], [3, "n2"]], res
 
 

@@ -129,7 +129,7 @@ def test_two_emulated_nodes_train(slurm_2nodes, tmp_path):
     info = slurm_2nodes.wait(job, timeout=400)
     text = log.read_text()
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text
-    assert "on 2 node(s) (n[1-2]), head n1=127.0.0.1" in text and "1 process(es)/node" in text
+    assert "on 2 node(s) (n[1-2]), head n1=127.0.0.2" in text and "1 process(es)/node" in text
     assert sorted(re.findall(r"rank (\d)/2 up \(local rank 0,", text)) == ["0", "1"], text
     assert _steps(text, 3) == [0, 1, 2, 3]
     assert (tmp_path / "run/checkpoints/latest").read_text().strip() == "step00000003"

@@ -11,7 +11,8 @@
 #      COMERA_CHECK_JOBS (steps run side by side after env; default 1 on GPU, where each step's figures need the
 #      card to itself, 2 on CPU, where the smoke's steps are single-threaded)
 # Steps: env (installs missing wheels with pip --no-index --target), native GPU tests (TRITON_INTERPRET=0: the
-# Triton kernels and the whole-step CUDA graph against eager, each test bounded by pytest-timeout),
+# Triton kernels and the whole-step CUDA graph against eager, inductor's compile pool through a step-wide USR1,
+# each test bounded by pytest-timeout),
 # per ZeRO stage 1, 2, 3 in bf16: run A (late stage, physical prune + rebuild, checkpoint mid-run) and run B
 # resumed from A's mid-run checkpoint, whose losses must equal A's step for step; the same at ZeRO 0 compiled with
 # CUDA graphs, fp32 and 2 micro-batches per step (-z0-graphs: ZeRO 0's gradient check and the finite-loss probe),
@@ -77,7 +78,8 @@ if [ "$MODE" = gpu ]; then
   KERNEL_TESTS=(-m pytest -q -rA -p no:cacheprovider --timeout 40 -m gpu tests/unit/test_bench_graphed_step.py
                 tests/unit/test_bench_compile_stats.py tests/unit/test_bench_kernel_time.py
                 tests/unit/test_tensor_fused_shared.py tests/unit/test_tensor_fused_ffn.py tests/unit/test_models_cpu_dropout.py
-                tests/unit/test_bench_workspace.py tests/unit/test_bench_peak_allocations.py tests/kernels)
+                tests/unit/test_bench_workspace.py tests/unit/test_bench_peak_allocations.py
+                tests/unit/test_compile_workers.py tests/kernels)
   BENCH_KERNELS=(-m comera_dist.bench kernels --tokens 4096 16384 --steps 10)
   # --profile: each eager step's kernels at batch 32 timed by kind (config.kernel_time): where the device time goes
   BENCH_SIX=(-m comera_dist.bench six-encoder --batch-sizes 1 8 32 --steps 10 --profile)
@@ -109,7 +111,7 @@ if [ "$MODE" = gpu ]; then
                    --contenders comera galore --steps 3 --peak-allocations)
   TRAINER_RATE=(-m comera_dist.bench trainer-rate --config configs/six-encoder-mlm.yaml --set data.max_files=300 --steps 30 --skip 5)
   GRAPHS_BACKEND=inductor
-  T_KTEST=150 T_RUN=90 T_BENCH=120
+  T_KTEST=180 T_RUN=90 T_BENCH=120  # kernel-tests: 150 s, then 30 s for the compile pool's two CUDA compiles
 else
   export DS_ACCELERATOR=cpu TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   BUDGET=${COMERA_CHECK_BUDGET_S:-600}

@@ -196,6 +196,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     """``comera pretrain --check-config``: what ``pretrain`` checks before any rank starts, nothing more."""
     from comera_dist.config import check_local_inputs, check_pretrainable
+    from comera_dist.engine import checkpoint_layout as layout
 
     cfg = _checked_config(args)
     check_pretrainable(cfg)  # the batch arithmetic waits for the world size
@@ -203,7 +204,9 @@ def _check_config(args: argparse.Namespace) -> int:
     _print_warnings(cfg)
     if args.json:  # slurm/pretrain.sh asks it whether a requeue would train anything (launch/preflight.sh)
         step = None if target is None else target[1].get("step")
-        problems = _final_problems(target[0]) if _finished(cfg, step) else []
+        # A final checkpoint whose files do not match its manifest reads as finished by its meta alone, yet the
+        # run's ``resume auto`` walks back past it and trains on: a requeue skipped on the meta's word loses steps.
+        problems = layout.check(target[0]) if _finished(cfg, step) else []
         print(json.dumps({"config": args.config, "resume": None if target is None else str(target[0]), "step": step,
                           "train_steps": cfg.train.steps, "nothing_to_train": _finished(cfg, step) and not problems,
                           "problems": problems}))
@@ -218,15 +221,6 @@ def _finished(cfg, step: object) -> bool:
     """Whether a run resuming a checkpoint of ``step`` is already at ``train.steps`` (the trainer's "nothing to
     train")."""
     return isinstance(step, int) and step >= cfg.train.steps
-
-
-def _final_problems(path) -> list[str]:
-    """What in the final checkpoint ``path`` does not match its manifest (every file digested). A damaged one reads
-    as finished by its meta alone, yet the run's ``resume auto`` walks back past it to an older one and trains on:
-    a requeue skipped on the meta's word would lose those steps."""
-    from comera_dist.engine import checkpoint_layout as layout
-
-    return layout.check(path)
 
 
 def _nothing_left(cfg, meta: dict) -> str:

@@ -205,7 +205,7 @@ def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
 
     [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
     ``share=(rank, world)``: every file is checked for presence and size (what this rank sees of it), and only
-    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``_agree``) then cover every
+    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``checkpoint._agree``) cover every
     digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
     """
     path = Path(path)

@@ -52,9 +52,13 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
         try:
+            node = yaml.compose(raw, Loader=yaml.SafeLoader)
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+        if node is not None and raw[node.end_mark.index:].strip():  # " #..." is a YAML comment: it was dropped
+            raise ConfigError(f"override {key}: YAML reads {raw!r} as {value!r}, the rest being a comment; quote "
+                              f"the value to keep it whole (--set '{key.strip()}=\"{raw}\"')")
         parts = key.strip().split(".")
         node = data
         for i, part in enumerate(parts[:-1]):

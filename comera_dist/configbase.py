@@ -59,6 +59,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             data = yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        except UnicodeDecodeError as e:  # a binary file, or a config saved in another encoding
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start}); a config is YAML "
+                              "text") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

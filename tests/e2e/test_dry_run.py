@@ -115,6 +115,9 @@ def test_help_explains_every_option(args, capsys):
      "train.eval_batches=1 x micro_batch_size_per_gpu=1 = 1 validation blocks, fewer than the world size 2"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "model.recompute_factors=true"],
      "model.recompute_factors needs model.activation_checkpointing: true"),
+    # YAML drops " #..." as a comment: the run read another directory than the one named
+    (["--config", "configs/tiny-cpu.yaml", "--set", "train.resume=/tmp/runs/a #1"],
+     "override train.resume: YAML reads '/tmp/runs/a #1' as '/tmp/runs/a', the rest being a comment"),
 ])
 def test_bad_config_is_one_line_exit_2(args, needle, capsys, tmp_path):
     out_dir = tmp_path / "run"
@@ -124,6 +127,24 @@ def test_bad_config_is_one_line_exit_2(args, needle, capsys, tmp_path):
     assert needle in err
     assert err.count("\n") == 1 and err.startswith("comera pretrain: error: ")
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("mode", ["--dry-run", "--check-config"])
+def test_a_config_that_is_no_text_is_one_line_exit_2(mode, capsys, tmp_path):
+    """A binary file (a plot beside the config, say) raised UnicodeDecodeError: a traceback and exit 1."""
+    png = tmp_path / "loss.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    rc = cli.main(["pretrain", "--config", str(png), mode])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert err.startswith(f"comera pretrain: error: {png}: not a UTF-8 text file (invalid start byte at byte 0)"), err
+
+
+def test_a_quoted_override_keeps_its_hash():
+    from comera_dist.config import apply_overrides
+
+    assert apply_overrides({}, ['train.output_dir="/tmp/run #1"', "train.steps=5 "]) == {
+        "train": {"output_dir": "/tmp/run #1", "steps": 5}}
 
 
 _BAD_SETTINGS = [

@@ -69,6 +69,7 @@ from comera_dist.engine.checkpoint_layout import (  # noqa: F401
     TMP_PREFIX,
     CheckpointError,
     _given_root,
+    _not_a_directory,
     _replaced,
     candidates_auto,
     check,
@@ -301,7 +302,7 @@ def choose(spec: str, root: Path) -> Path | None:
                                   "the log for each); pass --resume none to start over or --resume PATH")
         return None
     if not path.is_dir():
-        raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
+        raise CheckpointError(f"resume: checkpoint directory {path} " + _not_a_directory(path))
     problems = _agree(check(path, _share()))
     if problems:
         raise CheckpointError(f"resume: checkpoint {path} fails verification:\n  " + "\n  ".join(problems))

@@ -172,27 +172,40 @@ def resolve(spec: str, root: Path, *, finish: bool = True) -> Path | None:
     if given is not None:
         return latest_complete(given, finish=finish)
     if not path.is_dir():
-        raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
+        raise CheckpointError(f"resume: checkpoint directory {path} " + _not_a_directory(path))
     if not is_complete(path):
         raise CheckpointError(f"resume: {path} is not a complete checkpoint (no {MARKER} marker or {META}); "
                               "it was probably interrupted while saving")
     return path
 
 
+def _not_a_directory(path: Path) -> str:
+    """Why ``path`` is no checkpoint directory: it does not exist, or it is a file (a shard, its marker)."""
+    if path.exists():
+        return "is a file, not a directory: give the checkpoint's directory, or the run directory above it"
+    return "does not exist"
+
+
 def resume_candidate(spec: str, root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a resume with ``spec`` tries first and its meta, found by reading only (no collective, no
-    DeepSpeed, nothing published): for ``auto`` or a run directory the newest complete one whose meta reads, else
-    the path itself. None: a fresh start. The run's ``checkpoint.choose`` also verifies every file and walks back
-    past one that fails, so it may take an older checkpoint than this."""
+    DeepSpeed, nothing published): for ``auto`` or a run directory the newest complete one whose files have their
+    manifest's sizes and whose meta reads, else the path itself, which must have them (``CheckpointError``). None:
+    a fresh start. The run's ``checkpoint.choose`` also digests every file and walks back past one that fails, so
+    it may take an older checkpoint than this."""
     if spec == "none":
         return None
     path = Path(spec)
     given = root if spec == "auto" else _given_root(path, finish=False)
     if given is None:
         found = resolve(spec, root, finish=False)  # one checkpoint: it must be complete and its meta read
+        problems = check(found, read=False)
+        if problems:  # the run refuses it (checkpoint.choose): a truncated shard is one stat away
+            raise CheckpointError(f"resume: checkpoint {found} fails verification: " + "; ".join(problems))
         return found, read_meta(found)
     pending = interrupted(given)  # the run publishes it first (finish_interrupted); a check only reads
     for candidate in ([pending] if pending else []) + candidates_auto(given, finish=False):
+        if check(candidate, read=False):
+            continue  # the run walks back past it too (its digests it reads; sizes cost a stat)
         try:
             return candidate, read_meta(candidate)
         except CheckpointError:
@@ -200,13 +213,16 @@ def resume_candidate(spec: str, root: Path) -> tuple[Path, dict[str, Any]] | Non
     return None
 
 
-def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
+def check(path: Path, share: tuple[int, int] | None = None, *, names: tuple[str, ...] | None = None,
+          read: bool = True) -> list[str]:
     """Problems of checkpoint ``path`` on this rank: its marker, then every file of its manifest.
 
     [] for a good checkpoint; a pre-manifest checkpoint passes with a warning (it cannot be verified).
     ``share=(rank, world)``: every file is checked for presence and size (what this rank sees of it), and only
-    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``checkpoint._agree``) cover every
-    digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
+    this rank's share of them is read and digested. The ranks' verdicts all-gathered (``checkpoint._agree``) cover
+    every digest once: a resume reads the checkpoint once, not once per rank (W times a 512-rank job's shards).
+    ``names``: only those files (the ones the manifest lists); ``read=False``: presence and sizes only, no digest
+    (a login node's check of a large checkpoint: one stat per file).
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -218,10 +234,13 @@ def check(path: Path, share: tuple[int, int] | None = None) -> list[str]:
     if found == manifest.LEGACY:
         log.warning("checkpoint %s was written before checkpoint manifests: its files cannot be verified", path)
         return [] if (path / META).is_file() else [f"{path / META}: missing"]
+    listed = None if names is None else [n for n in names if n in found["files"]]
+    if not read:
+        return manifest.verify(path, found, listed, digests=[])
     if share is None:
-        return manifest.verify(path, found)
+        return manifest.verify(path, found, listed)
     rank, world = share
-    return manifest.verify(path, found, digests=sorted(found["files"])[rank::world])
+    return manifest.verify(path, found, listed, digests=sorted(found["files"])[rank::world])
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from comera_dist.compression.pruning import PruningPlan
 from comera_dist.config import RunConfig, build_run_config
-from comera_dist.configbase import nearest_existing
+from comera_dist.configbase import ConfigError, nearest_existing
 from comera_dist.data.collators import collator_for
 from comera_dist.data.errors import DataError
 from comera_dist.data.loader import eval_batches
@@ -65,7 +65,9 @@ def locate(spec: str | Path) -> Path:
     """A checkpoint directory from a run dir, a ``checkpoints`` dir or a checkpoint dir itself."""
     path = Path(spec)
     if not path.is_dir():
-        raise InputError(f"--checkpoint {path}: no such directory")
+        raise InputError(f"--checkpoint {path}: " + ("a file, not a directory: give the run directory, its "
+                                                     "checkpoints/ or one checkpoint's directory" if path.exists()
+                                                     else "no such directory"))
     for candidate in (path, path / "checkpoints"):
         if ckpt.is_complete(candidate):
             return candidate
@@ -92,17 +94,24 @@ def _fp32_state(path: Path, zero_stage: int) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
 
 
-def _read(path: Path) -> tuple[RunConfig, dict[str, Any]]:
-    """The resolved config and side metadata of checkpoint ``path`` (no weights read)."""
+def _read(path: Path, *, verified: bool = False) -> tuple[RunConfig, dict[str, Any]]:
+    """The resolved config and side metadata of checkpoint ``path`` (no weights read), both first checked against
+    its manifest unless ``verified`` (every file was): a damaged or hand-edited ``config.yaml`` is named as such,
+    not as a config error of no file."""
+    problems = [] if verified else ckpt.check(path, names=(ckpt.CONFIG, ckpt.META))
+    if problems:
+        raise InputError(f"checkpoint {path} fails verification: " + "; ".join(problems) + _instead(path))
     try:
-        saved = yaml.safe_load((path / ckpt.CONFIG).read_text())
+        saved = yaml.safe_load((path / ckpt.CONFIG).read_text(encoding="utf-8"))
         # Outputs of the run that wrote it are irrelevant here (and a metrics key renamed since
         # must not make an old checkpoint unreadable): rebuild with today's metrics defaults.
         saved.pop("metrics", None)
         cfg = build_run_config(saved)
         meta = ckpt.read_meta(path)
-    except (OSError, AttributeError, ckpt.CheckpointError, yaml.YAMLError) as e:
+    except (OSError, AttributeError, UnicodeDecodeError, ckpt.CheckpointError, yaml.YAMLError) as e:
         raise InputError(f"checkpoint {path}: {e}") from e
+    except ConfigError as e:  # a pre-manifest checkpoint's, or one of a config key since removed
+        raise InputError(f"checkpoint {path}: its {ckpt.CONFIG}: {e}") from e
     return cfg, meta
 
 
@@ -189,7 +198,7 @@ def _load(path: Path) -> LoadedRun:
         ckpt.verify_weights_only(path)
     except ckpt.CheckpointError as e:  # the message names the shard
         raise InputError(f"checkpoint {path} is refused: {e}{_instead(path)}") from e
-    cfg, meta = _read(path)
+    cfg, meta = _read(path, verified=True)
     plans = [PruningPlan.from_json(text) for text in meta.get("plans", [])]
     model = model_at_shapes(lambda: build_run_model(cfg), plans)
     state = _fp32_state(path, int(meta.get("zero_stage", cfg.deepspeed.zero_stage)))

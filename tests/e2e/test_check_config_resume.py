@@ -28,11 +28,16 @@ def _checkpoint(root: Path, step: int, *sets: str, job_id: str | None = None) ->
     path = root / layout.tag_for(step)
     path.mkdir(parents=True)
     meta = {"identity": layout.identity(load_run_config(TINY, list(sets))), "step": step, "slurm_job_id": job_id}
-    (path / layout.META).write_text(json.dumps(meta))
     (path / "shard.pt").write_bytes(b"shard of step %d" % step)
-    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, ["shard.pt", layout.META])))
+    _rewrite_meta(path, meta)
     (root / layout.LATEST).write_text(path.name)
     return path
+
+
+def _rewrite_meta(path: Path, meta: dict) -> None:
+    """``meta`` as the checkpoint's, its manifest written again for it (as a run that saved it would have)."""
+    (path / layout.META).write_text(json.dumps(meta))
+    (path / manifest.MARKER).write_text(manifest.render(path.name, manifest.describe(path, ["shard.pt", layout.META])))
 
 
 def _check(capsys, out_dir: Path, *args: str, mode: str = "--check-config") -> tuple[int, str, str]:
@@ -112,9 +117,25 @@ def test_a_final_checkpoint_that_does_not_verify_leaves_something_to_train(damag
         (final / manifest.MARKER).write_text("")  # a crash's zero-length marker
     rc, out, err = _check(capsys, run, "--json")
     verdict = json.loads(out)
-    assert rc == 0 and verdict["step"] == 6 and verdict["nothing_to_train"] is False, (out, err)
-    said = {"flipped": "digest differs", "truncated": "size 5 bytes", "marker": "damaged manifest"}[damage]
-    assert len(verdict["problems"]) == 1 and said in verdict["problems"][0], verdict
+    assert rc == 0 and verdict["nothing_to_train"] is False, (out, err)
+    if damage == "flipped":  # only its digest tells: the final verdict reads every byte
+        assert verdict["step"] == 6 and len(verdict["problems"]) == 1, verdict
+        assert "digest differs" in verdict["problems"][0], verdict
+    else:  # a size or the marker tells at a stat: the check walks back past it, as the run does
+        assert verdict["step"] == 3 and verdict["problems"] == [], verdict
+
+
+@pytest.mark.parametrize("mode", ["--check-config", "--dry-run"])
+def test_a_resume_path_whose_shard_is_truncated_is_refused_as_the_run_would(mode, capsys, tmp_path):
+    """Accepted (exit 0) before, and the run then refused it: sizes cost a stat per file on the login node."""
+    ck = _checkpoint(tmp_path / "run" / "checkpoints", 3)
+    (ck / "shard.pt").write_bytes(b"shard")
+    rc, out, err = _check(capsys, tmp_path / "run", "--resume", str(ck), mode=mode)
+    assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, (out, err)
+    assert (f"train.resume={ck}: resume: checkpoint {ck} fails verification: {ck / 'shard.pt'}: size 5 bytes, the "
+            "manifest says 15") in err, err
+    rc, out, err = _check(capsys, tmp_path / "run", "--resume", str(ck / "shard.pt"), mode=mode)
+    assert rc == cli.EXIT_BAD_INPUT and "shard.pt is a file, not a directory: give the checkpoint's" in err, err
 
 
 def test_auto_checks_the_newest_checkpoint_whose_meta_reads(capsys, tmp_path):
@@ -227,7 +248,7 @@ def test_a_dry_run_sizes_a_pruned_checkpoint_at_its_shapes(capsys, tmp_path):
     assert rc == 0 and whole["prunes"] == 0, err
     name, plan = _halving_plan(load_run_config(TINY, [f"train.output_dir={run}"]))
     meta = json.loads((ck / layout.META).read_text())
-    (ck / layout.META).write_text(json.dumps(meta | {"plans": [plan]}))
+    _rewrite_meta(ck, meta | {"plans": [plan]})
     rc, out, err = _check(capsys, run, "--json", mode="--dry-run")
     pruned = json.loads(out)
     assert rc == 0 and pruned["prunes"] == 1 and pruned["resume"] == str(ck), err
@@ -247,7 +268,7 @@ def test_a_dry_run_refuses_a_checkpoint_whose_plan_does_not_fit(capsys, tmp_path
     bad = json.loads(plan)
     bad["bond_dims"][name][0] += 1
     meta = json.loads((ck / layout.META).read_text())
-    (ck / layout.META).write_text(json.dumps(meta | {"plans": [json.dumps(bad)]}))
+    _rewrite_meta(ck, meta | {"plans": [json.dumps(bad)]})
     rc, _, err = _check(capsys, run, mode="--dry-run")
     assert rc == cli.EXIT_BAD_INPUT and err.count("\n") == 1, err
     assert f"train.resume: checkpoint {ck}: the checkpoint's pruning plan 1 of 1 does not apply" in err, err

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_testlib import revouch
 
 from comera_dist import cli
 
@@ -158,6 +159,7 @@ def test_evaluate_bad_data_names_what_evaluate_can_change(run_dir, corpus, tmp_p
     saved = yaml.safe_load((moved / "config.yaml").read_text())
     saved["train"]["output_dir"] = str(tmp_path / "gone")
     (moved / "config.yaml").write_text(yaml.safe_dump(saved))
+    revouch(moved)  # as the run had saved it: a run moved from elsewhere
     for checkpoint, data, needle, not_named in (
             (run_dir, tmp_path / "a.toml", "cannot read '.toml' files; convert it to one of .json", "builder"),
             (run_dir, tmp_path / "rows.jsonl", ("the checkpoint's data.text_column (--text-column sets another) "
@@ -219,6 +221,7 @@ def test_evaluate_and_export_refuse_a_tokenizer_the_checkpoint_was_not_trained_w
     old_meta = larger / "comera_meta.json"
     old_meta.write_text(json.dumps({k: v for k, v in json.loads(old_meta.read_text()).items()
                                     if k != "tokenizer_sha256"}))
+    revouch(larger)  # an older checkpoint's manifest vouches for its meta
     cases = ((swapped, f"the tokenizer at {tmp_path / 'swapped' / 'tokenizer'} is not the one it was trained with"),
              (larger, (f"the tokenizer at {tmp_path / 'larger' / 'tokenizer'} has 520 tokens, more than the model's "
                        "vocab_size=512")))

@@ -116,6 +116,50 @@ def test_a_checkpoint_with_an_unreadable_config_or_no_model_file_is_named(tmp_pa
         load_run(path)
 
 
+@pytest.mark.parametrize("edit", ["binary", "unknown-key"])
+def test_a_config_yaml_changed_after_the_save_is_named_before_it_is_read(tmp_path, edit):
+    """Damaged (a traceback, exit 1) or edited by hand ("unknown config key", naming no file): both read the
+    config before anything checked it against the manifest."""
+    path, _ = _zero0_checkpoint(tmp_path, lambda state: None)
+    if edit == "binary":
+        (path / ckpt.CONFIG).write_bytes(b"\x89PNG\r\n\x1a\n")
+    else:
+        saved = yaml.safe_load((path / ckpt.CONFIG).read_text())
+        saved["train"]["new_knob"] = 1
+        (path / ckpt.CONFIG).write_text(yaml.safe_dump(saved, sort_keys=False))
+    said = f"checkpoint {path} fails verification: {path / ckpt.CONFIG}: "
+    for call in (lambda: evaluate_checkpoint(path, [str(tmp_path)]), lambda: export_checkpoint(path, tmp_path / "x"),
+                 lambda: load_run(path)):
+        with pytest.raises(InputError) as e:
+            call()
+        assert str(e.value).startswith(said) and "no other checkpoint" in str(e.value), e.value
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_bad_config_yaml_the_manifest_vouches_for_is_named_with_its_file(tmp_path):
+    """A checkpoint whose manifest was written over such a config (or a pre-manifest one)."""
+    path, _ = _zero0_checkpoint(tmp_path, lambda state: None)
+    (path / ckpt.CONFIG).write_bytes(b"\x89PNG\r\n\x1a\n")
+    revouch(path)
+    with pytest.raises(InputError, match=f"checkpoint {path}: 'utf-8' codec can't decode byte 0x89"):
+        load_run(path)
+    path, _ = _zero0_checkpoint(tmp_path / "second", lambda state: None)
+    config = yaml.safe_load((path / ckpt.CONFIG).read_text())
+    config["train"]["new_knob"] = 1
+    (path / ckpt.CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    revouch(path)
+    with pytest.raises(InputError, match=f"checkpoint {path}: its config.yaml: unknown config key 'train.new_knob'"):
+        load_run(path)
+
+
+def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path):
+    (tmp_path / "shard.pt").write_bytes(b"x")
+    with pytest.raises(InputError, match="shard.pt: a file, not a directory: give the run directory"):
+        load_run(tmp_path / "shard.pt")
+    with pytest.raises(InputError, match="absent: no such directory"):
+        load_run(tmp_path / "absent")
+
+
 def test_a_checkpoint_without_a_buffer_loads_it_from_the_config(tmp_path):
     """The buffers (a layer's threshold ``tau``, its bond sizes) follow from the config and the prune plans the
     model is rebuilt with: a checkpoint written before one existed still loads, with the rebuilt model's."""

@@ -1,4 +1,16 @@
-"""The data pipeline: corpus on ``datasets``, local tokenizer, packed blocks, collators, resumable loader."""
+"""The data pipeline: corpus on ``datasets``, local tokenizer, packed blocks, collators, resumable loader.
+
+Importing it turns off ``datasets``' download-count ping (a HEAD request to S3 at every ``load_dataset``, local
+files included), unless ``HF_UPDATE_DOWNLOAD_COUNTS`` asks for it: a run reads local files without the network,
+and on an air-gapped node each ping waited for DNS or its 3 s timeout.
+"""
+
+import os
+
+import datasets
+
+if "HF_UPDATE_DOWNLOAD_COUNTS" not in os.environ:
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
 
 from comera_dist.data.collators import IGNORE_INDEX, causal_collator, collator_for, mlm_collator
 from comera_dist.data.config import DataConfig, TokenizerConfig

@@ -1,6 +1,9 @@
 """Finding, reading and splitting raw documents: stdlib listing, encodings, hash split, path errors."""
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -128,3 +131,37 @@ def test_files_that_fail_only_together_say_so_with_the_parsers_reason(tmp_path):
                                         r"ArrowInvalid: Failed to parse string: 'x'"):
         sources.load_files(sorted(tmp_path.glob("*.jsonl")), builder="json", text_column="text",
                            sample_by="document", cache_dir=tmp_path / "hf", num_proc=1)
+
+
+NETWORK_PROGRAM = """
+import socket, sys
+from pathlib import Path
+tried = []
+def refuse(*args, **kwargs):
+    tried.append(args[-1] if args and isinstance(args[-1], tuple) else args[:2])
+    raise OSError("no network in this test")
+socket.socket.connect = lambda self, address: refuse(address)
+socket.getaddrinfo = refuse  # a name lookup comes first, where one is tried at all
+socket.create_connection = refuse
+from comera_dist.data import sources
+root = Path(sys.argv[1])
+(root / "a.txt").write_text("x = 1\\n")
+ds = sources.load_files([root / "a.txt"], builder="text", text_column="text", sample_by="document",
+                        cache_dir=root / "cache", num_proc=1)
+assert ds["text"] == ["x = 1\\n"], ds["text"]
+print(tried)
+"""
+
+
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_loading_local_files_leaves_the_network_alone(asked, tmp_path):
+    """datasets pinged S3 at every load_dataset, local files included, unless the process was set offline (only
+    launch/test.sh and two launchers did; slurm/pretrain.sh and a plain `comera pretrain` did not)."""
+    env = {k: v for k, v in os.environ.items() if "OFFLINE" not in k and k != "HF_UPDATE_DOWNLOAD_COUNTS"}
+    if asked:
+        env["HF_UPDATE_DOWNLOAD_COUNTS"] = asked  # the user's own choice stands
+    done = subprocess.run([sys.executable, "-c", NETWORK_PROGRAM, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tried = done.stdout.strip().splitlines()[-1]
+    assert (tried == "[]") == (asked is None), tried

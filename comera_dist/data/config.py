@@ -19,6 +19,10 @@ SPLIT_BY_OF_SOURCE: dict[str, tuple[str, str]] = {
 """The one split each fixed-split source honours, and how it draws it (``data.corpus``)."""
 
 
+BPE_MIN_VOCAB = 256 + 5
+"""The fewest tokens a trained byte-level BPE has: the 256-byte alphabet and ``tokenizer.SPECIAL_TOKENS``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TokenizerConfig:
     """How the tokenizer is trained (with ``tokenizers``, on the train split) or where it is loaded from."""
@@ -37,6 +41,10 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         if self.vocab_size < 16:
             raise ValueError(f"tokenizer.vocab_size must be >= 16, got {self.vocab_size}")
+        if self.kind == "bpe" and self.vocab_size < BPE_MIN_VOCAB and self.pretrained is None:
+            # byte-level BPE keeps all 256 bytes whatever the target: the run learned so only after its data build
+            raise ValueError(f"tokenizer.vocab_size must be >= {BPE_MIN_VOCAB} for kind bpe (its 256 byte tokens and "
+                             f"5 special tokens), got {self.vocab_size}")
         if self.min_frequency < 1:
             raise ValueError(f"tokenizer.min_frequency must be >= 1, got {self.min_frequency}")
         if self.max_train_bytes < 1:

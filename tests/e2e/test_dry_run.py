@@ -115,6 +115,8 @@ def test_help_explains_every_option(args, capsys):
      "train.eval_batches=1 x micro_batch_size_per_gpu=1 = 1 validation blocks, fewer than the world size 2"),
     (["--config", "configs/tiny-cpu.yaml", "--set", "model.recompute_factors=true"],
      "model.recompute_factors needs model.activation_checkpointing: true"),
+    (["--config", "configs/tiny-cpu.yaml", "--set", "model.vocab_size=128", "--set", "data.tokenizer.vocab_size=128"],
+     "tokenizer.vocab_size must be >= 261 for kind bpe (its 256 byte tokens and 5 special tokens), got 128"),
     # YAML drops " #..." as a comment: the run read another directory than the one named
     (["--config", "configs/tiny-cpu.yaml", "--set", "train.resume=/tmp/runs/a #1"],
      "override train.resume: YAML reads '/tmp/runs/a #1' as '/tmp/runs/a', the rest being a comment"),

@@ -65,7 +65,7 @@ def test_cached_by_content_and_damage_is_reported(texts, tmp_path):
     tok, key = obtain_tokenizer(texts, cfg, corpus_key="c1", cache_root=tmp_path, show_progress=False)
     again, key2 = obtain_tokenizer(None, cfg, corpus_key="c1", cache_root=tmp_path)  # load only
     assert key == key2 and again.get_vocab() == tok.get_vocab()
-    _, other = obtain_tokenizer(texts, TokenizerConfig(vocab_size=200, min_frequency=1), corpus_key="c1",
+    _, other = obtain_tokenizer(texts, TokenizerConfig(vocab_size=280, min_frequency=1), corpus_key="c1",
                                 cache_root=tmp_path, show_progress=False)
     assert other != key and obtain_tokenizer(texts, cfg, corpus_key="c2", cache_root=tmp_path,
                                              show_progress=False)[1] != key
@@ -89,3 +89,15 @@ def test_pretrained_directory(texts, tmp_path):
     (tmp_path / "junk").mkdir()
     with pytest.raises(DataError, match=r"data.tokenizer.pretrained: cannot load a tokenizer from .*junk"):
         load_tokenizer(tmp_path / "junk")
+
+
+def test_a_bpe_vocabulary_below_its_byte_alphabet_is_refused_by_the_config(texts):
+    """Byte-level BPE keeps its 256 byte tokens whatever the target: a run learned so only after its data build
+    (the model's vocab_size refused the 261-token tokenizer then). The refusal's floor is the real one."""
+    from comera_dist.data.config import BPE_MIN_VOCAB
+
+    with pytest.raises(ValueError, match=f"tokenizer.vocab_size must be >= {BPE_MIN_VOCAB} for kind bpe"):
+        TokenizerConfig(vocab_size=BPE_MIN_VOCAB - 1)
+    TokenizerConfig(kind="wordpiece", vocab_size=100)  # WordPiece has no byte alphabet
+    floor = train_tokenizer(texts, TokenizerConfig(vocab_size=BPE_MIN_VOCAB, min_frequency=10**6), show_progress=False)
+    assert len(floor) == BPE_MIN_VOCAB  # no merge learned: the alphabet and the specials alone

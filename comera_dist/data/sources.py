@@ -88,11 +88,12 @@ def universal_newlines(text: str) -> str:
 
 
 def resolve_paths(patterns: Iterable[str], *, where: str = "data.files") -> list[Path]:
-    """Expand files, directories (recursively, known extensions only) and globs; missing ones are errors."""
+    """Expand files, directories (recursively, known extensions only) and globs (a name that exists as given is
+    taken literally, brackets and all); missing ones are errors."""
     out: list[Path] = []
     for pattern in patterns:
         path = Path(pattern).expanduser()
-        if glob.has_magic(pattern):
+        if glob.has_magic(pattern) and not path.exists():  # "run[1].txt" may be a file's own name
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
                 raise DataError(f"{where}: the pattern {pattern!r} matches no files")
@@ -128,7 +129,8 @@ def load_files(paths: Sequence[Path], *, builder: str, text_column: str, sample_
                cache_dir: Path, num_proc: int, setting: str = "data.text_column") -> datasets.Dataset:
     """Load ``paths`` with ``datasets.load_dataset(builder, ...)`` into one ``text`` column (``setting``:
     ``text_only``'s)."""
-    kwargs: dict = {"data_files": [str(p) for p in paths], "split": "train",
+    # datasets reads data_files as glob patterns: a file named "run[1].txt" matched nothing, an empty dataset
+    kwargs: dict = {"data_files": [glob.escape(str(p)) for p in paths], "split": "train",
                     "cache_dir": str(cache_dir), "num_proc": num_proc if len(paths) > 1 else None}
     if builder == "text":
         kwargs.update(sample_by=sample_by, encoding_errors="replace")
@@ -151,7 +153,7 @@ def load_failure(paths: Sequence[Path], builder: str, kwargs: dict, error: Excep
         return failure(str(paths[0]), error)
     for path in paths:
         try:
-            datasets.load_dataset(builder, **{**kwargs, "data_files": [str(path)], "num_proc": None})
+            datasets.load_dataset(builder, **{**kwargs, "data_files": [glob.escape(str(path))], "num_proc": None})
         except Exception as e:  # noqa: BLE001 - any failure of this file alone names it
             return failure(f"{path} (one of {len(paths)} files)", e)
     return failure(f"{len(paths)} files together, though each loads alone (do their columns or types "

@@ -165,3 +165,16 @@ def test_loading_local_files_leaves_the_network_alone(asked, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     tried = done.stdout.strip().splitlines()[-1]
     assert (tried == "[]") == (asked is None), tried
+
+
+def test_a_file_whose_name_looks_like_a_pattern_is_read_as_named(tmp_path):
+    """"run[1]/a[1].txt" was taken for a glob: refused as matching nothing, and datasets, which reads data_files as
+    patterns too, built an empty dataset of it."""
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run[1]" / "a[1].txt").write_text("x = 1\n")
+    (tmp_path / "run[1]" / "b.txt").write_text("y = 2\n")
+    for named in (tmp_path / "run[1]" / "a[1].txt", tmp_path / "run[1]"):
+        paths = sources.resolve_paths([str(named)])
+        ds = sources.load_files(paths, builder="text", text_column="text", sample_by="document",
+                                cache_dir=tmp_path / "cache", num_proc=1)
+        assert sorted(ds["text"]) == (["x = 1\n"] if named.is_file() else ["x = 1\n", "y = 2\n"]), paths

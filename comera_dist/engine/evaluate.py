@@ -41,6 +41,7 @@ from comera_dist.engine.packing import unpack_saved
 from comera_dist.engine.prune import model_at_shapes
 from comera_dist.engine.token_stats import label_token_sums
 from comera_dist.metrics.progress import terminal_progress
+from comera_dist.models.atomic import umask_modes
 from comera_dist.models.gpt import GPT
 
 CONSOLIDATED = "consolidated_fp32.pt"
@@ -296,6 +297,7 @@ def _publish_dir(out: Path) -> Iterator[Path]:
         except OSError as e:
             raise InputError(f"--out {out}: cannot create it in {out.parent}: {e.strerror or e}") from e
         yield tmp
+        umask_modes(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

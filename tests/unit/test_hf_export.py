@@ -215,3 +215,20 @@ def test_an_exported_gpt_names_the_run_tokenizers_special_ids(tmp_path):
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (2, 3, 0)
     bare = to_hf(ours("gpt")).config
     assert (bare.bos_token_id, bare.eos_token_id) == (None, None)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_every_exported_file_has_the_umasks_mode(mask, tmp_path):
+    """safetensors writes its file 0o600 whatever the umask: a dense or TT export's weights were unreadable to
+    the team that could read its config."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        export_dense(ours("gpt", SPEC), tmp_path / "dense")
+        save_tt(ours("gpt", SPEC), tmp_path / "tt")
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*")
+             if p.is_file()}
+    assert "dense/model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~mask)}, modes

@@ -188,8 +188,10 @@ def check_pretrainable(cfg: RunConfig) -> None:
         check_compat(cfg.data, cfg.model.vocab_size, cfg.model.max_positions)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    for key, path in (("train.output_dir", Path(cfg.train.output_dir)), ("data.cache_dir", cfg.data.resolved_cache_dir())):
-        _check_directory_path(key, path)
+    # data.cache_dir may be read-only where every entry the run needs is built already (a shared, prebuilt
+    # cache): a build there is refused by name when it comes (cache.publish)
+    _check_directory_path("train.output_dir", Path(cfg.train.output_dir), writable=True)
+    _check_directory_path("data.cache_dir", cfg.data.resolved_cache_dir())
 
 
 def check_local_inputs(cfg: RunConfig) -> tuple[Path, dict[str, Any]] | None:
@@ -249,12 +251,15 @@ def slurm_restarts() -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-def _check_directory_path(key: str, path: Path) -> None:
-    """``path`` is a directory or can become one: its nearest existing ancestor (or itself) is a directory. A run
-    whose output directory is a file failed at the first write, on every rank, with a traceback."""
+def _check_directory_path(key: str, path: Path, *, writable: bool = False) -> None:
+    """``path`` is a directory or can become one: its nearest existing ancestor (or itself) is a directory, and with
+    ``writable`` one this user can write in. A run whose output directory is a file, or read-only, failed at the
+    first write, on every rank, with a traceback."""
     at = nearest_existing(path)
     if not at.is_dir():
         raise ConfigError(f"{key}={path}: {at} is a file, not a directory")
+    if writable and not os.access(at, os.W_OK | os.X_OK):  # a read-only mount (root too), another's directory
+        raise ConfigError(f"{key}={path}: {at} is not writable by this user")
 
 
 def layer_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:

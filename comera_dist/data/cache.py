@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -68,11 +69,17 @@ def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     and ``final`` is untouched, so an interrupted build never leaves a half entry. If another
     process published ``final`` first, its entry is kept and ours discarded (same content key).
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(final)
     tmp = final.parent / f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_builds(final)
+        lock = open(_lock_of(tmp), "w")  # noqa: SIM115 - held for the whole build, closed below
+    except OSError as e:  # a read-only or foreign cache directory: bad input, not a traceback at the first build
+        raise CacheError(f"data.cache_dir: cannot build the cache entry {final}: {e.strerror or e} (point "
+                         "data.cache_dir at a directory this user can write)") from e
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # while held, no other build takes this one for a dead one's
+        tmp.mkdir()
         yield tmp
         (tmp / META).write_text(json.dumps(meta, sort_keys=True, indent=1, default=str))
         try:
@@ -83,22 +90,47 @@ def publish(final: Path, meta: dict[str, Any]) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        _lock_of(tmp).unlink(missing_ok=True)
+        lock.close()
 
 
 def remove_stale_builds(final: Path) -> list[Path]:
     """Delete temporary build directories of ``final`` left by killed processes of this host.
 
-    Only directories whose recorded process no longer exists here are removed; builds of other
-    hosts (a shared file system) and live builds are left alone. Returns what was removed.
+    Only directories whose recorded process no longer exists here, and whose lock (``<dir>.lock``, held by its
+    build from before the directory exists until it is published) is free, are removed. Builds of other hosts (a
+    shared file system) and live builds are left alone, a live build in another PID namespace of this host too (a
+    container with the host's network, and so its name, where its pid means nothing here). Returns what was
+    removed.
     """
     host, removed = socket.gethostname(), []
     for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        if tmp.suffix == ".lock":
+            continue
         tail = tmp.name[len(f".{final.name}.tmp-"):]
         owner, _, rest = tail.rpartition("-")[0].rpartition("-")  # "<host>-<pid>-<uuid>"
-        if owner == host and rest.isdigit() and not _alive(int(rest)):
+        if owner == host and rest.isdigit() and not _alive(int(rest)) and _lock_free(_lock_of(tmp)):
             shutil.rmtree(tmp, ignore_errors=True)
+            _lock_of(tmp).unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def _lock_of(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".lock")
+
+
+def _lock_free(path: Path) -> bool:
+    """Whether no process holds the build lock at ``path`` (free too when there is none: a build of an older
+    version, or one killed before its lock was written)."""
+    try:
+        with open(path) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # held
+    return True
 
 
 def _alive(pid: int) -> bool:

@@ -193,3 +193,95 @@ def test_builds_left_by_killed_processes_are_swept(tmp_path):
         (tmp / "x").write_text("done")
     assert not stale.exists() and live.exists() and remote.exists()
     assert (final / "x").read_text() == "done" and cache.read_meta(final) == {"rows": {}}
+
+
+HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1])
+fcntl.flock(f, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+PROBE_LOCK = """
+import fcntl, sys
+f = open(sys.argv[1])
+try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print("held")
+else:
+    print("free")
+"""
+
+
+def _lock(build):
+    return build.with_name(build.name + ".lock")
+
+
+def test_a_live_build_of_another_pid_namespace_is_left_alone(tmp_path):
+    """A container with the host's network shares its hostname, not its pids: its live build's pid is dead here,
+    and the sweep deleted the build under it (FileNotFoundError there). The build's lock, held from before its
+    directory exists until it is published, tells."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    final, host = tmp_path / "corpus-abc", socket.gethostname()
+    elsewhere = tmp_path / f".corpus-abc.tmp-{host}-{dead.pid}-0000cafe"  # its pid means nothing here
+    stale = tmp_path / f".corpus-abc.tmp-{host}-{dead.pid}-deadbeef"  # killed: its lock is free
+    for d in (elsewhere, stale):
+        (d / "train").mkdir(parents=True)
+        _lock(d).touch()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(_lock(elsewhere))], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cache.remove_stale_builds(final) == [stale]
+        assert (elsewhere / "train").is_dir() and not stale.exists() and not _lock(stale).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cache.remove_stale_builds(final) == [elsewhere]  # its process gone too: stale now
+
+
+def test_a_build_holds_its_lock_until_it_is_published(tmp_path):
+    final = tmp_path / "corpus-abc"
+    with cache.publish(final, {"rows": {}}) as tmp:
+        probe = subprocess.run([sys.executable, "-c", PROBE_LOCK, str(_lock(tmp))], capture_output=True, text=True,
+                               check=True)
+        assert probe.stdout.strip() == "held", probe
+    assert sorted(os.listdir(tmp_path)) == ["corpus-abc"]  # no lock file left
+
+
+def test_a_cache_directory_that_cannot_be_written_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with (pytest.raises(CacheError, match=r"data.cache_dir: cannot build the cache entry .*corpus-abc: File exists"),
+          cache.publish(tmp_path / "file" / "corpus-abc", {})):
+        pass
+
+
+def _pretrain_read_only(ro, *args: str) -> subprocess.CompletedProcess:
+    """``comera pretrain ARGS`` in a private mount namespace where ``ro`` is a read-only bind mount of itself."""
+    program = ("import sys; from comera_dist import cli; "
+               f"sys.exit(cli.main(['pretrain', '--config', 'configs/tiny-cpu.yaml', *{list(args)!r}]))")
+    mount = f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro}"
+    return subprocess.run(["unshare", "-m", "sh", "-c", f'{mount} && exec {sys.executable} -c "{program}"'],
+                          capture_output=True, text=True, env=os.environ | {"WORLD_SIZE": "1"}, timeout=300,
+                          check=False)
+
+
+def test_a_read_only_cache_directory_is_one_line_exit_2(tmp_path):
+    """A read-only mount (root too): `OSError: [Errno 30] Read-only file system`, a traceback and exit 1, at the
+    first build. --check-config accepts it (a prebuilt read-only cache is a fair setup), not a read-only
+    train.output_dir."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("unshare -m is not permitted here (a private mount namespace for the read-only bind mount)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    done = _pretrain_read_only(ro, "--set", f"train.output_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={ro}",
+                               "--set", "train.steps=1", "--set", "data.max_files=5")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (f"data.cache_dir: cannot build the cache entry {ro}/" in done.stderr
+            and "Read-only file system (point data.cache_dir at a directory this user can write)" in done.stderr)
+    done = _pretrain_read_only(ro, "--set", f"train.output_dir={ro / 'run'}", "--check-config")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"train.output_dir={ro / 'run'}: {ro} is not writable by this user" in done.stderr, done.stderr[-3000:]

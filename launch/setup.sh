@@ -20,8 +20,10 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
 
 if [ "$DEV" = 1 ] && command -v apt-get >/dev/null; then
   # Real programs the tests drive: Slurm (slurmctld/slurmd/munge), Prometheus + promtool,
-  # OpenMPI with PMIx for srun --mpi=pmix, numactl for deepspeed --bind_cores_to_rank.
-  PKGS="slurmctld slurmd slurm-client munge prometheus openmpi-bin libopenmpi-dev libpmix-dev numactl curl"
+  # OpenMPI with PMIx for srun --mpi=pmix, numactl for deepspeed --bind_cores_to_rank; unshare and mount (a
+  # read-only bind mount in a private mount namespace) and pgrep, which a minimal image may lack.
+  PKGS="slurmctld slurmd slurm-client munge prometheus openmpi-bin libopenmpi-dev libpmix-dev numactl curl
+        util-linux mount procps"
   missing=$(for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
   if [ -n "$missing" ]; then
     SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo

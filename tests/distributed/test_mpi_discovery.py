@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from proc_testlib import communicate_or_kill
 
 REPO = Path(__file__).resolve().parents[2]
 RANK_PROGRAM = Path(__file__).with_name("mpi_discovery_rank.py")
@@ -43,12 +43,7 @@ def test_mpi4py_discovery_rendezvous_and_all_reduce(tmp_path, port):
             "env", *hide, sys.executable, str(RANK_PROGRAM), str(tmp_path)]
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"mpirun -np 2 still running after 180 s:\n{log[-4000:]}")
+    log, _ = communicate_or_kill(proc, 180, "mpirun -np 2 still running after 180 s")
     assert proc.returncode == 0, log[-4000:]
     results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for r, res in enumerate(results):

@@ -11,13 +11,12 @@ so the cases here start it as inductor does; the ``gpu`` case lets a real CUDA c
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from proc_testlib import communicate_or_kill
 
 PROGRAM = """
 import json, operator, os, signal, subprocess, sys, time
@@ -115,15 +114,7 @@ def test_a_stop_signal_during_a_cuda_compile_run_leaves_compiling_working():
     session (the trainer, the sidecar, its workers) leaves the next compile working."""
     proc = subprocess.Popen([sys.executable, "-c", CUDA_PROGRAM], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=200)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the compile after the USR1 hung (a dead compile pool):\n{err[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = communicate_or_kill(proc, 200, "the compile after the USR1 hung (a dead compile pool)")
     assert proc.returncode == 0, err[-3000:]
     got = json.loads(out.splitlines()[-1])
     assert got["workers"] >= 1 and all(m == ["SIGUSR1", "SIGTERM"] for m in got["masks"].values()), got
